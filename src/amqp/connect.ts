@@ -1,0 +1,45 @@
+import amqp, { type ChannelModel } from 'amqplib';
+import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
+import type { Logger } from '../observe/log.js';
+import { backoffDelay, sleep } from './backoff.js';
+import { classifyConnectError, describe, unreachable } from './errors.js';
+
+export interface ConnectOptions {
+  /** Names the side in messages and in the broker's connection list: "source" or "target". */
+  side: string;
+  /** Give up after retrying this long; 0 retries forever. */
+  retryForMs: number;
+  log: Logger;
+}
+
+/**
+ * Opens an AMQP connection, retrying network failures with backoff until `retryForMs`, and
+ * failing at once on errors that retrying cannot fix (wrong credentials, a missing vhost).
+ */
+export async function connectAmqp(url: string, options: ConnectOptions): Promise<ChannelModel> {
+  const where = `${options.side} broker at ${redactUrl(url)}`;
+  const secret = passwordOf(url);
+  const started = Date.now();
+  for (let attempt = 1; ; attempt++) {
+    try {
+      const connection = await amqp.connect(url, {
+        clientProperties: { connection_name: `dedup-bridge ${options.side}` },
+        timeout: 10_000,
+      });
+      // amqplib rethrows 'error' events that nobody listens to; the caller attaches its own too.
+      connection.on('error', () => {});
+      return connection;
+    } catch (error) {
+      const fatal = classifyConnectError(error, where);
+      if (fatal) throw fatal;
+      const elapsed = Date.now() - started;
+      if (options.retryForMs > 0 && elapsed >= options.retryForMs) throw unreachable(where, error, elapsed);
+      const delay = backoffDelay(attempt);
+      options.log.warn(
+        { side: options.side, attempt, delayMs: delay, error: redactSecrets(describe(error), [secret]) },
+        `${where} not reachable; retrying`,
+      );
+      await sleep(delay);
+    }
+  }
+}

@@ -1,0 +1,81 @@
+import { FatalConnectError, UnavailableError } from '../errors.js';
+
+// amqplib reports a refused handshake as a bare Error whose text carries the AMQP reply code, and
+// socket failures as Node errors with a `code`. This is the one place that reads them.
+
+const NETWORK_CODES = new Set([
+  'ECONNREFUSED',
+  'ECONNRESET',
+  'ETIMEDOUT',
+  'EHOSTUNREACH',
+  'ENETUNREACH',
+  'EPIPE',
+  'ENOTFOUND',
+  'EAI_AGAIN',
+]);
+
+/** AMQP reply codes that mean "retrying will not help". */
+const FATAL_REPLY_CODES = new Set([403, 530, 402, 501, 503, 540]);
+
+export function replyCodeOf(error: unknown): number | undefined {
+  if (error && typeof error === 'object') {
+    const code = (error as { code?: unknown }).code;
+    if (typeof code === 'number') return code;
+    const message = (error as { message?: unknown }).message;
+    if (typeof message === 'string') {
+      const match = /Handshake terminated by server: (\d{3})|Connection closed: (\d{3})/.exec(message);
+      if (match) return Number(match[1] ?? match[2]);
+    }
+  }
+  return undefined;
+}
+
+export function isNetworkError(error: unknown): boolean {
+  const code = (error as { code?: unknown } | undefined)?.code;
+  if (typeof code === 'string' && NETWORK_CODES.has(code)) return true;
+  const message = (error as { message?: unknown } | undefined)?.message;
+  return (
+    typeof message === 'string' && /Socket closed abruptly|Unexpected close|socket hang up/.test(message)
+  );
+}
+
+/**
+ * Turns a failed connect into an operator's error: fatal (wrong credentials, a missing vhost),
+ * or undefined when it is worth retrying (network, broker starting up).
+ */
+export function classifyConnectError(error: unknown, where: string): FatalConnectError | undefined {
+  const reply = replyCodeOf(error);
+  if (reply === 403) {
+    return new FatalConnectError(
+      `${where}: login refused (ACCESS_REFUSED); check the user name and password in the URL`,
+    );
+  }
+  if (reply === 530) {
+    return new FatalConnectError(
+      `${where}: the virtual host does not exist or the user may not use it (NOT_ALLOWED); check the vhost in the URL and the user's permissions`,
+    );
+  }
+  if (reply !== undefined && FATAL_REPLY_CODES.has(reply)) {
+    return new FatalConnectError(
+      `${where}: the broker refused the connection (AMQP ${reply}); check the URL`,
+    );
+  }
+  const code = (error as { code?: unknown } | undefined)?.code;
+  if (code === 'ERR_TLS_CERT_ALTNAME_INVALID' || code === 'DEPTH_ZERO_SELF_SIGNED_CERT') {
+    return new FatalConnectError(`${where}: the TLS certificate was not accepted (${String(code)})`);
+  }
+  return undefined;
+}
+
+export function unreachable(where: string, error: unknown, retriedMs: number): UnavailableError {
+  const code = (error as { code?: unknown } | undefined)?.code;
+  const reason = typeof code === 'string' ? code : describe(error);
+  return new UnavailableError(
+    `${where} is unreachable (${reason}) after retrying for ${Math.round(retriedMs / 1000)}s; check that it runs and the host and port in the URL`,
+  );
+}
+
+export function describe(error: unknown): string {
+  if (error instanceof Error) return error.message.split('\n')[0] ?? error.name;
+  return String(error);
+}

@@ -1,0 +1,47 @@
+/** Counts of source messages by what happened to them; one set per route. */
+export interface RouteCounters {
+  /** Deliveries taken from the source queue (a requeued message counts each time it comes back). */
+  consumed: number;
+  /** Published and confirmed by the target, then acked (in-doubt ones included). */
+  forwarded: number;
+  /** Acked without publishing: the target already held the ID. */
+  duplicates: number;
+  /** Forwarded with `x-dedup-in-doubt: true`: an earlier attempt may also be on the target. */
+  inDoubt: number;
+  /** Returned by the target as unroutable. */
+  unroutable: number;
+  /** Refused by the target (basic.nack). */
+  nacked: number;
+  /** Moved to the park queue on the source broker. */
+  parked: number;
+  /** Handed to the source queue's dead-letter exchange. */
+  deadLettered: number;
+  /** Returned to the source queue to be retried later. */
+  requeued: number;
+  /** Had no ID under any `--id-from` strategy. */
+  noId: number;
+  /** Had an ID header of a type that cannot be an ID (the next strategy decided). */
+  badIdHeader: number;
+  /** Deliveries the broker marked as redelivered. */
+  redelivered: number;
+  /** Commits that found our claim taken over by another owner (our lease ran out). */
+  claimTakenOver: number;
+}
+
+export function newCounters(): RouteCounters {
+  return {
+    consumed: 0,
+    forwarded: 0,
+    duplicates: 0,
+    inDoubt: 0,
+    unroutable: 0,
+    nacked: 0,
+    parked: 0,
+    deadLettered: 0,
+    requeued: 0,
+    noId: 0,
+    badIdHeader: 0,
+    redelivered: 0,
+    claimTakenOver: 0,
+  };
+}

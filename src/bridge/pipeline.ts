@@ -1,0 +1,481 @@
+import type { ConsumeMessage, Options } from 'amqplib';
+import { backoffDelay, sleep } from '../amqp/backoff.js';
+import { describe } from '../amqp/errors.js';
+import { publishOptionsOf, type SourceQueue } from '../amqp/source.js';
+import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
+import { type ClaimState, cacheKey, type DedupCache } from '../dedup/cache.js';
+import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
+import type { Logger } from '../observe/log.js';
+import { newCounters, type RouteCounters } from './counters.js';
+
+export const IN_DOUBT_HEADER = 'x-dedup-in-doubt';
+
+export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
+
+export interface RouteSettings {
+  name: string;
+  sourceQueue: string;
+  /** '' is the default exchange (then the routing key is the target queue). */
+  targetExchange: string;
+  /** undefined: use each message's own routing key. */
+  targetRoutingKey: string | undefined;
+  /** The user the target connection logs in as: a `user_id` property naming another is moved to a header. */
+  targetUser: string | undefined;
+  scope: string;
+  redisPrefix: string;
+  idFrom: readonly IdStrategy[];
+  batchSize: number;
+  leaseMs: number;
+  onUnroutable: UnroutablePolicy;
+  parkQueue: string | undefined;
+  /** Backoff before a failed message is returned to the source queue. */
+  requeueDelay: { initialMs: number; maxMs: number };
+  /** Stop taking messages after this many (migrate --max-messages); undefined: no limit. */
+  maxMessages: number | undefined;
+}
+
+/** One source message on its way through claim → publish → commit → ack. */
+interface Entry {
+  message: ConsumeMessage;
+  /** Full Redis key; undefined when the message has no ID. */
+  key: string | undefined;
+  /** The value written to `_HQ_DUPL_ID` on the target. */
+  idValue: unknown;
+  /** The ID's cache key without prefix and scope (matches returns to publishes). */
+  idKey: string;
+  state: ClaimState | undefined;
+  /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
+  leading: boolean;
+}
+
+type Failure = 'unroutable' | 'nacked' | 'no-id';
+
+// How long a message whose ID another owner holds waits before it is claimed again.
+const BUSY_RECHECK_MS = 250;
+// Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
+const MAX_RETRY_MEMORY = 10_000;
+
+/**
+ * The forwarding protocol for one route. Every source message is acked only after the target
+ * confirmed it and its ID was committed, or after the cache showed its ID already committed.
+ */
+export class Pipeline {
+  readonly counters: RouteCounters = newCounters();
+  /** Messages delivered to us and not yet acked or returned. */
+  private held = 0;
+  /** Of those, messages waiting out a backoff before they go back to the source. */
+  private waitingToRequeue = 0;
+  private lastProgressAt = Date.now();
+  private failuresSinceProgress = 0;
+
+  private readonly batch: Entry[] = [];
+  private flushScheduled = false;
+  /** IDs in flight in this process → copies of the same ID waiting for its outcome. */
+  private readonly inFlight = new Map<string, Entry[]>();
+  /** Entries holding a claim that is not yet committed or released (their leases are renewed). */
+  private readonly claimed = new Set<Entry>();
+  private readonly timers = new Map<NodeJS.Timeout, () => void>();
+  private readonly active = new Set<Promise<void>>();
+  private readonly retryCounts = new Map<string, number>();
+  private renewTimer: NodeJS.Timeout | undefined;
+  private stopping = false;
+  private failed: ((error: Error) => void) | undefined;
+  private idleWaiters: (() => void)[] = [];
+
+  constructor(
+    private readonly settings: RouteSettings,
+    private readonly source: SourceQueue,
+    private readonly target: TargetPublisher,
+    private readonly cache: DedupCache,
+    private readonly log: Logger,
+  ) {}
+
+  /** Starts consuming; `onFatal` is told of failures this pipeline cannot recover from. */
+  async start(onFatal: (error: Error) => void): Promise<void> {
+    this.failed = onFatal;
+    const renewEvery = Math.max(100, Math.floor(this.settings.leaseMs / 3));
+    this.renewTimer = setInterval(() => this.renewLeases(), renewEvery);
+    await this.source.consume((message) => this.receive(message));
+  }
+
+  /** Messages delivered to us and not yet acked or returned to the source. */
+  get heldCount(): number {
+    return this.held;
+  }
+
+  /** True when every message we hold is one that failed and waits to go back to the source. */
+  get onlyFailuresHeld(): boolean {
+    return this.held > 0 && this.held === this.waitingToRequeue;
+  }
+
+  get msSinceProgress(): number {
+    return Date.now() - this.lastProgressAt;
+  }
+
+  get failedSinceProgress(): number {
+    return this.failuresSinceProgress;
+  }
+
+  get limitReached(): boolean {
+    const max = this.settings.maxMessages;
+    return max !== undefined && this.counters.consumed >= max;
+  }
+
+  /** Resolves when nothing is held (or at once if nothing is). */
+  whenIdle(): Promise<void> {
+    if (this.held === 0) return Promise.resolve();
+    return new Promise((resolve) => this.idleWaiters.push(resolve));
+  }
+
+  /**
+   * Stops taking messages, returns the ones waiting (for a backoff, another owner or a copy in
+   * flight) to the source, and lets the ones being forwarded finish for up to `timeoutMs`.
+   * Returns how many were still unfinished; their claims are left to expire as in-doubt.
+   */
+  async stop(timeoutMs: number): Promise<number> {
+    this.stopping = true;
+    await this.source.stopConsuming();
+    for (const [timer, fire] of this.timers) {
+      clearTimeout(timer);
+      fire();
+    }
+    this.timers.clear();
+    for (const waiters of this.inFlight.values()) {
+      for (const waiter of waiters.splice(0)) this.giveBack(waiter);
+    }
+    const deadline = sleep(timeoutMs).then(() => 'timeout' as const);
+    while (this.active.size > 0 || this.batch.length > 0) {
+      this.flush();
+      const result = await Promise.race([Promise.allSettled([...this.active]), deadline]);
+      if (result === 'timeout') break;
+    }
+    if (this.renewTimer) clearInterval(this.renewTimer);
+    return this.held;
+  }
+
+  private receive(message: ConsumeMessage): void {
+    if (this.stopping || this.limitReached) {
+      // Delivered after we stopped or hit the limit: not ours to handle.
+      this.source.nack(message, true);
+      return;
+    }
+    this.held++;
+    this.counters.consumed++;
+    if (message.fields.redelivered) this.counters.redelivered++;
+    if (this.limitReached) void this.source.stopConsuming();
+
+    const headers = message.properties.headers ?? undefined;
+    const { id, rejected } = deriveId(
+      {
+        content: message.content,
+        exchange: message.fields.exchange,
+        routingKey: message.fields.routingKey,
+        messageId: message.properties.messageId,
+        headers,
+      },
+      this.settings.idFrom,
+    );
+    if (rejected.length > 0) {
+      this.counters.badIdHeader++;
+      this.log.warn(
+        { route: this.settings.name, rejected, usedStrategy: id?.strategy ?? 'none' },
+        'message has an ID header of a type that cannot be an ID; the next --id-from strategy decided',
+      );
+    }
+    if (!id) {
+      this.counters.noId++;
+      const entry: Entry = {
+        message,
+        key: undefined,
+        idValue: undefined,
+        idKey: '',
+        state: undefined,
+        leading: false,
+      };
+      this.log.warn(
+        { route: this.settings.name, strategies: this.settings.idFrom.length },
+        'message has no ID under any --id-from strategy; it is not forwarded',
+      );
+      this.track(this.handleFailure(entry, 'no-id'));
+      return;
+    }
+    const key = cacheKey(this.settings.redisPrefix, this.settings.scope, id.key);
+    const entry: Entry = {
+      message,
+      key,
+      idValue: id.headerValue,
+      idKey: id.key,
+      state: undefined,
+      leading: false,
+    };
+    const waiting = this.inFlight.get(key);
+    if (waiting) {
+      // A copy of this ID is already on its way: wait for its outcome, then claim.
+      waiting.push(entry);
+      return;
+    }
+    this.inFlight.set(key, []);
+    entry.leading = true;
+    this.enqueue(entry);
+  }
+
+  private enqueue(entry: Entry): void {
+    this.batch.push(entry);
+    if (this.batch.length >= this.settings.batchSize) {
+      this.flush();
+    } else if (!this.flushScheduled) {
+      this.flushScheduled = true;
+      setImmediate(() => this.flush());
+    }
+  }
+
+  private flush(): void {
+    this.flushScheduled = false;
+    while (this.batch.length > 0) {
+      const entries = this.batch.splice(0, this.settings.batchSize);
+      this.track(this.forward(entries));
+    }
+  }
+
+  private track(work: Promise<void>): void {
+    const tracked = work.catch((error: unknown) => this.fail(error));
+    this.active.add(tracked);
+    void tracked.finally(() => this.active.delete(tracked));
+  }
+
+  private fail(error: unknown): void {
+    const failure = error instanceof Error ? error : new Error(String(error));
+    if (this.failed) this.failed(failure);
+    else this.log.error({ error: describe(error) }, 'pipeline failed');
+  }
+
+  /** claim → publish → commit → ack, for one batch of distinct IDs. */
+  private async forward(entries: Entry[]): Promise<void> {
+    const keys = entries.map((entry) => entry.key as string);
+    const states = await this.redis('claim', () => this.cache.claim(keys));
+    const toPublish: Entry[] = [];
+    const busy: Entry[] = [];
+    entries.forEach((entry, index) => {
+      const state = states[index] as ClaimState;
+      entry.state = state;
+      if (state === 'dup') {
+        this.counters.duplicates++;
+        this.progress();
+        this.settle(entry, () => this.source.ack(entry.message));
+      } else if (state === 'busy') {
+        busy.push(entry);
+      } else {
+        this.claimed.add(entry);
+        toPublish.push(entry);
+      }
+    });
+    if (busy.length > 0) {
+      this.later(
+        BUSY_RECHECK_MS,
+        busy,
+        (entry) => this.enqueue(entry),
+        (entry) => this.giveBack(entry),
+      );
+    }
+    if (toPublish.length === 0) return;
+
+    const outcomes = await Promise.all(toPublish.map((entry) => this.publish(entry)));
+    const confirmed: Entry[] = [];
+    const refused: [Entry, Failure][] = [];
+    const lost: Entry[] = [];
+    toPublish.forEach((entry, index) => {
+      const outcome = outcomes[index] as PublishOutcome;
+      if (outcome === 'confirmed') confirmed.push(entry);
+      else if (outcome === 'returned') refused.push([entry, 'unroutable']);
+      else if (outcome === 'nacked') refused.push([entry, 'nacked']);
+      else lost.push(entry);
+    });
+
+    if (confirmed.length > 0) {
+      const results = await this.redis('commit', () =>
+        this.cache.commit(confirmed.map((entry) => entry.key as string)),
+      );
+      confirmed.forEach((entry, index) => {
+        this.claimed.delete(entry);
+        if (results[index] === 'taken') this.counters.claimTakenOver++;
+        this.counters.forwarded++;
+        if (entry.state === 'in-doubt') this.counters.inDoubt++;
+        this.retryCounts.delete(entry.key as string);
+        this.settle(entry, () => this.source.ack(entry.message));
+      });
+      this.progress();
+    }
+
+    if (refused.length > 0) {
+      const refusedEntries = refused.map(([entry]) => entry);
+      await this.redis('release', () =>
+        this.cache.release(refusedEntries.map((entry) => entry.key as string)),
+      );
+      for (const entry of refusedEntries) this.claimed.delete(entry);
+      await Promise.all(refused.map(([entry, why]) => this.handleFailure(entry, why)));
+    }
+
+    if (lost.length > 0) {
+      // The target may hold these: keep the claims (they expire as in-doubt, so the next attempt
+      // is flagged) and leave the messages unacked; the source gets them back when we go.
+      for (const entry of lost) this.claimed.delete(entry);
+      throw new Error(`target connection lost with ${lost.length} publish(es) unconfirmed`);
+    }
+  }
+
+  private publish(entry: Entry): Promise<PublishOutcome> {
+    const message = entry.message;
+    const options: Options.Publish = publishOptionsOf(message);
+    const headers: Record<string, unknown> = { ...(options.headers ?? {}) };
+    delete headers[IN_DOUBT_HEADER];
+    headers[DUPLICATE_ID_HEADER] = entry.idValue;
+    if (entry.state === 'in-doubt') headers[IN_DOUBT_HEADER] = true;
+    if (options.userId !== undefined && options.userId !== this.settings.targetUser) {
+      // RabbitMQ refuses a user_id that is not the publishing user; keep it as a header instead.
+      headers['x-dedup-source-user-id'] = options.userId;
+      delete options.userId;
+    }
+    options.headers = headers;
+    const routingKey = this.settings.targetRoutingKey ?? message.fields.routingKey;
+    return this.target.publish(
+      this.settings.targetExchange,
+      routingKey,
+      message.content,
+      options,
+      entry.idKey,
+    );
+  }
+
+  /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
+  private async handleFailure(entry: Entry, why: Failure): Promise<void> {
+    if (why === 'unroutable') this.counters.unroutable++;
+    if (why === 'nacked') this.counters.nacked++;
+    this.failuresSinceProgress++;
+    const { onUnroutable, parkQueue } = this.settings;
+    if (onUnroutable === 'park' && parkQueue !== undefined) {
+      if (await this.source.park(parkQueue, entry.message, why)) {
+        this.counters.parked++;
+        this.progress();
+        this.log.warn({ route: this.settings.name, reason: why, parkQueue }, 'message parked');
+        this.settle(entry, () => this.source.ack(entry.message));
+        return;
+      }
+      this.log.warn(
+        { route: this.settings.name, parkQueue },
+        'parking failed; the message goes back to the source',
+      );
+    } else if (onUnroutable === 'dead-letter') {
+      this.counters.deadLettered++;
+      this.progress();
+      this.log.warn({ route: this.settings.name, reason: why }, 'message dead-lettered');
+      this.settle(entry, () => this.source.nack(entry.message, false));
+      return;
+    }
+    const retryKey = entry.key ?? '';
+    const attempt = (this.retryCounts.get(retryKey) ?? 0) + 1;
+    this.rememberRetry(retryKey, attempt);
+    const delay = backoffDelay(
+      attempt,
+      this.settings.requeueDelay.initialMs,
+      this.settings.requeueDelay.maxMs,
+    );
+    this.log.warn(
+      { route: this.settings.name, reason: why, attempt, delayMs: delay },
+      'message not forwarded; it goes back to the source queue after a backoff',
+    );
+    this.waitingToRequeue++;
+    const requeue = (held: Entry) => {
+      this.waitingToRequeue--;
+      this.counters.requeued++;
+      this.settle(held, () => this.source.nack(held.message, true));
+    };
+    this.later(delay, [entry], requeue, requeue);
+  }
+
+  private rememberRetry(key: string, attempt: number): void {
+    this.retryCounts.delete(key);
+    this.retryCounts.set(key, attempt);
+    if (this.retryCounts.size > MAX_RETRY_MEMORY) {
+      const oldest = this.retryCounts.keys().next().value;
+      if (oldest !== undefined) this.retryCounts.delete(oldest);
+    }
+  }
+
+  /** Runs `then` for each entry after `ms`, or `onStop` at once when the pipeline stops. */
+  private later(
+    ms: number,
+    entries: Entry[],
+    then: (entry: Entry) => void,
+    onStop: (entry: Entry) => void,
+  ): void {
+    const timer = setTimeout(() => {
+      this.timers.delete(timer);
+      for (const entry of entries) (this.stopping ? onStop : then)(entry);
+    }, ms);
+    this.timers.set(timer, () => {
+      for (const entry of entries) onStop(entry);
+    });
+  }
+
+  /** Returns a message we have not claimed to the source (used when stopping). */
+  private giveBack(entry: Entry): void {
+    this.settle(entry, () => this.source.nack(entry.message, true));
+  }
+
+  /** Ends our hold on a message: ack/nack it, then let a waiting copy of its ID go on. */
+  private settle(entry: Entry, respond: () => boolean): void {
+    respond();
+    this.held--;
+    if (entry.leading && entry.key !== undefined) {
+      entry.leading = false;
+      const waiting = this.inFlight.get(entry.key) ?? [];
+      const next = waiting.shift();
+      if (!next || this.stopping) {
+        this.inFlight.delete(entry.key);
+        if (next) this.giveBack(next);
+        for (const other of waiting.splice(0)) this.giveBack(other);
+      } else {
+        next.leading = true;
+        this.enqueue(next);
+      }
+    }
+    if (this.held === 0) {
+      for (const wake of this.idleWaiters.splice(0)) wake();
+    }
+  }
+
+  private progress(): void {
+    this.lastProgressAt = Date.now();
+    this.failuresSinceProgress = 0;
+  }
+
+  private renewLeases(): void {
+    if (this.claimed.size === 0) return;
+    const keys = [...this.claimed].map((entry) => entry.key as string);
+    this.cache.renew(keys).catch((error: unknown) => {
+      this.log.warn(
+        { route: this.settings.name, error: describe(error) },
+        'lease renewal failed; will retry',
+      );
+    });
+  }
+
+  /** Runs a cache call until it succeeds: a message never moves on without its claim or commit. */
+  private async redis<T>(what: string, call: () => Promise<T>): Promise<T> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        const result = await call();
+        if (attempt > 1) this.log.info({ route: this.settings.name, what }, 'Redis answers again');
+        return result;
+      } catch (error) {
+        if (attempt === 1) {
+          this.log.warn(
+            { route: this.settings.name, what, error: describe(error) },
+            'Redis call failed; holding the batch unacked and retrying',
+          );
+        }
+        await sleep(backoffDelay(attempt, 100, 5000));
+      }
+    }
+  }
+}

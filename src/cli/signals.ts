@@ -1,0 +1,26 @@
+import { ExitCode } from '../errors.js';
+
+/**
+ * The first SIGINT/SIGTERM resolves `first` (a graceful stop); a second one exits at once, leaving
+ * every unconfirmed message unacked, so the broker gives it back to the source queue.
+ */
+export function onStopSignal(): { first: Promise<NodeJS.Signals> } {
+  let seen = false;
+  let resolveFirst: (signal: NodeJS.Signals) => void = () => {};
+  const first = new Promise<NodeJS.Signals>((resolve) => {
+    resolveFirst = resolve;
+  });
+  const handler = (signal: NodeJS.Signals) => {
+    if (seen) {
+      process.stderr.write(
+        `dedup-bridge: second ${signal}: exiting now; unconfirmed messages stay in the source\n`,
+      );
+      process.exit(ExitCode.aborted);
+    }
+    seen = true;
+    resolveFirst(signal);
+  };
+  process.on('SIGINT', handler);
+  process.on('SIGTERM', handler);
+  return { first };
+}

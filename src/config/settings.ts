@@ -1,0 +1,293 @@
+import { z } from 'zod';
+import type { UnroutablePolicy } from '../bridge/pipeline.js';
+import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../dedup/id.js';
+import { ConfigError } from '../errors.js';
+import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
+import { parseDuration } from './duration.js';
+import { redactUrl } from './redact.js';
+
+/** The defaults, documented in README's CLI reference; change both together. */
+export const DEFAULTS = {
+  redis: 'redis://127.0.0.1:6379',
+  redisPrefix: 'dedup',
+  idFrom: DEFAULT_ID_FROM,
+  dedupWindow: '7d',
+  prefetch: 500,
+  batchSize: 200,
+  lease: '15s',
+  onUnroutable: 'requeue' as UnroutablePolicy,
+  requeueDelay: '1s',
+  requeueDelayMax: '30s',
+  shutdownTimeout: '30s',
+  runRetryFor: '0',
+  migrateRetryFor: '60s',
+  idleTimeout: '2s',
+  logLevel: 'info' as LogLevel,
+};
+
+/** The options as the CLI collects them (flags, then environment), all optional strings. */
+export interface RawOptions {
+  source?: string;
+  sourceQueue?: string;
+  target?: string;
+  targetQueue?: string;
+  targetExchange?: string;
+  targetRoutingKey?: string;
+  redis?: string;
+  redisPrefix?: string;
+  scope?: string;
+  idFrom?: string;
+  dedupWindow?: string;
+  prefetch?: string;
+  batchSize?: string;
+  lease?: string;
+  onUnroutable?: string;
+  parkQueue?: string;
+  retryFor?: string;
+  shutdownTimeout?: string;
+  logLevel?: string;
+  idleTimeout?: string;
+  maxMessages?: string;
+  report?: string;
+}
+
+export interface BridgeSettings {
+  sourceUrl: string;
+  sourceQueue: string;
+  targetUrl: string;
+  /** '' is the default exchange. */
+  targetExchange: string;
+  /** Set for --target-queue (the queue name) and --target-routing-key; else each message's own key. */
+  targetRoutingKey: string | undefined;
+  targetQueue: string | undefined;
+  targetUser: string;
+  redisUrl: string;
+  redisPrefix: string;
+  scope: string;
+  idFrom: IdStrategy[];
+  dedupWindowMs: number;
+  prefetch: number;
+  batchSize: number;
+  leaseMs: number;
+  onUnroutable: UnroutablePolicy;
+  parkQueue: string | undefined;
+  requeueDelay: { initialMs: number; maxMs: number };
+  retryForMs: number;
+  shutdownTimeoutMs: number;
+  logLevel: LogLevel;
+  /** Stop after this many source messages (migrate only). */
+  maxMessages: number | undefined;
+}
+
+export interface MigrateSettings extends BridgeSettings {
+  idleTimeoutMs: number;
+  reportPath: string | undefined;
+}
+
+/** Which flag (and variable) sets each field, for error messages. */
+const FLAG: Record<string, string> = {
+  source: '--source (or DEDUP_BRIDGE_SOURCE)',
+  sourceQueue: '--source-queue (or DEDUP_BRIDGE_SOURCE_QUEUE)',
+  target: '--target (or DEDUP_BRIDGE_TARGET)',
+  targetQueue: '--target-queue',
+  targetExchange: '--target-exchange',
+  targetRoutingKey: '--target-routing-key',
+  redis: '--redis (or DEDUP_BRIDGE_REDIS)',
+  redisPrefix: '--redis-prefix',
+  scope: '--scope',
+  prefetch: '--prefetch',
+  batchSize: '--batch-size',
+  onUnroutable: '--on-unroutable',
+  parkQueue: '--park-queue',
+  logLevel: '--log-level',
+  maxMessages: '--max-messages',
+};
+
+function urlWith(protocols: string[], example: string) {
+  return z.string().superRefine((value, ctx) => {
+    let parsed: URL;
+    try {
+      parsed = new URL(value);
+    } catch {
+      ctx.addIssue({ code: 'custom', message: `"${redactUrl(value)}" is not a URL; use ${example}` });
+      return;
+    }
+    if (!protocols.includes(parsed.protocol)) {
+      ctx.addIssue({
+        code: 'custom',
+        message: `"${redactUrl(value)}" has scheme ${parsed.protocol.replace(':', '')}; use ${protocols.map((p) => p.replace(':', '')).join(' or ')}, e.g. ${example}`,
+      });
+    } else if (parsed.hostname === '') {
+      ctx.addIssue({ code: 'custom', message: `"${redactUrl(value)}" has no host; use ${example}` });
+    }
+  });
+}
+
+const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');
+const redisUrl = urlWith(['redis:', 'rediss:'], 'redis://host:6379');
+// RabbitMQ limits names to 255 bytes.
+const name = z
+  .string()
+  .min(1, 'must not be empty')
+  .refine((value) => Buffer.byteLength(value) <= 255, 'is longer than 255 bytes');
+const count = (min: number, max: number) =>
+  z
+    .string()
+    .regex(/^\d+$/, 'must be a whole number')
+    .transform(Number)
+    .pipe(z.number().min(min, `must be at least ${min}`).max(max, `must be at most ${max}`));
+
+const rawSchema = z
+  .object({
+    source: amqpUrl,
+    sourceQueue: name,
+    target: amqpUrl,
+    targetQueue: name.optional(),
+    targetExchange: z
+      .string()
+      .refine((value) => Buffer.byteLength(value) <= 255, 'is too long')
+      .optional(),
+    targetRoutingKey: z.string().optional(),
+    redis: redisUrl,
+    redisPrefix: z.string().regex(/^[^{}:\s]+$/, 'must be non-empty, without braces, colons or spaces'),
+    scope: z
+      .string()
+      .regex(/^[^{}\s]+$/, 'must be non-empty, without braces or spaces')
+      .optional(),
+    prefetch: count(1, 65535),
+    batchSize: count(1, 5000),
+    onUnroutable: z.enum(['requeue', 'dead-letter', 'park'], {
+      error: 'must be requeue, dead-letter or park',
+    }),
+    parkQueue: name.optional(),
+    logLevel: z.enum(LOG_LEVELS as [LogLevel, ...LogLevel[]], {
+      error: `must be one of ${LOG_LEVELS.join(', ')}`,
+    }),
+    maxMessages: count(1, Number.MAX_SAFE_INTEGER).optional(),
+  })
+  .superRefine((options, ctx) => {
+    if (options.targetQueue === undefined && options.targetExchange === undefined) {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['targetQueue'],
+        message: 'give --target-queue <name>, or --target-exchange <name> (with --target-routing-key <key>)',
+      });
+    }
+    if (options.targetQueue !== undefined && options.targetExchange !== undefined) {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['targetQueue'],
+        message: 'give either --target-queue or --target-exchange, not both',
+      });
+    }
+    if (options.targetRoutingKey !== undefined && options.targetExchange === undefined) {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['targetRoutingKey'],
+        message: 'goes with --target-exchange; with --target-queue the routing key is the queue name',
+      });
+    }
+    if (options.onUnroutable === 'park' && options.parkQueue === undefined) {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['parkQueue'],
+        message: '--on-unroutable park needs --park-queue <name>',
+      });
+    }
+    if (options.parkQueue !== undefined && options.onUnroutable !== 'park') {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['parkQueue'],
+        message: `cannot be combined with --on-unroutable ${options.onUnroutable}`,
+      });
+    }
+  });
+
+function firstIssue(error: z.ZodError): ConfigError {
+  const issue = error.issues[0];
+  const field = String(issue?.path[0] ?? '');
+  const flag = FLAG[field] ?? field;
+  let message = issue?.message ?? 'invalid';
+  if (issue?.code === 'invalid_type' && issue.input === undefined) message = 'is required';
+  return new ConfigError(`${flag}: ${message}`);
+}
+
+/** Validates what the CLI collected and fills in the defaults; throws ConfigError naming the flag. */
+export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'): BridgeSettings {
+  // An option given explicitly (including by `park-queue`) implies its policy.
+  const onUnroutable = raw.onUnroutable ?? (raw.parkQueue !== undefined ? 'park' : DEFAULTS.onUnroutable);
+  const parsed = rawSchema.safeParse({
+    source: raw.source,
+    sourceQueue: raw.sourceQueue,
+    target: raw.target,
+    targetQueue: raw.targetQueue,
+    targetExchange: raw.targetExchange,
+    targetRoutingKey: raw.targetRoutingKey,
+    redis: raw.redis ?? DEFAULTS.redis,
+    redisPrefix: raw.redisPrefix ?? DEFAULTS.redisPrefix,
+    scope: raw.scope,
+    prefetch: raw.prefetch ?? String(DEFAULTS.prefetch),
+    batchSize: raw.batchSize ?? String(DEFAULTS.batchSize),
+    onUnroutable,
+    parkQueue: raw.parkQueue,
+    logLevel: raw.logLevel ?? DEFAULTS.logLevel,
+    maxMessages: raw.maxMessages,
+  });
+  if (!parsed.success) throw firstIssue(parsed.error);
+  const options = parsed.data;
+
+  const targetExchange = options.targetExchange ?? '';
+  const targetRoutingKey = options.targetQueue ?? options.targetRoutingKey;
+  const scope =
+    options.scope ??
+    (options.targetQueue !== undefined ? `queue:${options.targetQueue}` : `exchange:${targetExchange}`);
+  if (/[{}\s]/.test(scope)) {
+    throw new ConfigError(
+      `--scope: the target name "${scope}" has braces or spaces; give a --scope without them`,
+    );
+  }
+  const leaseMs = parseDuration(raw.lease ?? DEFAULTS.lease, '--lease');
+  if (leaseMs < 1000) throw new ConfigError('--lease: must be at least 1s');
+  const dedupWindowMs = parseDuration(raw.dedupWindow ?? DEFAULTS.dedupWindow, '--dedup-window');
+  if (dedupWindowMs < leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
+  const targetUser = decodeURIComponent(new URL(options.target).username) || 'guest';
+
+  return {
+    sourceUrl: options.source,
+    sourceQueue: options.sourceQueue,
+    targetUrl: options.target,
+    targetExchange,
+    targetRoutingKey,
+    targetQueue: options.targetQueue,
+    targetUser,
+    redisUrl: options.redis,
+    redisPrefix: options.redisPrefix,
+    scope,
+    idFrom: parseIdFrom(raw.idFrom ?? DEFAULTS.idFrom),
+    dedupWindowMs,
+    prefetch: options.prefetch,
+    batchSize: options.batchSize,
+    leaseMs,
+    onUnroutable: options.onUnroutable,
+    parkQueue: options.parkQueue,
+    requeueDelay: {
+      initialMs: parseDuration(DEFAULTS.requeueDelay, 'requeue delay'),
+      maxMs: parseDuration(DEFAULTS.requeueDelayMax, 'requeue delay'),
+    },
+    retryForMs: parseDuration(
+      raw.retryFor ?? (mode === 'run' ? DEFAULTS.runRetryFor : DEFAULTS.migrateRetryFor),
+      '--retry-for',
+    ),
+    shutdownTimeoutMs: parseDuration(raw.shutdownTimeout ?? DEFAULTS.shutdownTimeout, '--shutdown-timeout'),
+    logLevel: options.logLevel,
+    maxMessages: options.maxMessages,
+  };
+}
+
+export function resolveMigrateSettings(raw: RawOptions): MigrateSettings {
+  return {
+    ...resolveBridgeSettings(raw, 'migrate'),
+    idleTimeoutMs: parseDuration(raw.idleTimeout ?? DEFAULTS.idleTimeout, '--idle-timeout'),
+    reportPath: raw.report,
+  };
+}

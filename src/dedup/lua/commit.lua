@@ -1,0 +1,28 @@
+-- commit: record IDs as held by the target, after the target confirmed them.
+-- KEYS[1..n]  one key per ID, all in one hash slot: <prefix>:{<scope>}:<id>
+-- ARGV[1]     owner token of the calling process
+-- ARGV[2]     dedup window in ms: how long a committed ID is remembered
+-- Reply: one integer per key
+--   1 committed   our claim held and is now committed
+--   2 already     it was already committed (a re-sent commit, or another owner finished first)
+--   3 taken       another owner holds the claim (ours ran out); it will forward it in-doubt,
+--                 so we leave its claim alone
+--   4 restored    no record at all (Redis lost it): the target confirmed it, so commit it
+local token = ARGV[1]
+local window = ARGV[2]
+local reply = {}
+for i, key in ipairs(KEYS) do
+  local value = redis.call('GET', key)
+  if value == 'd' then
+    reply[i] = 2
+  elseif not value then
+    redis.call('SET', key, 'd', 'PX', window)
+    reply[i] = 4
+  elseif string.match(value, '^c:([^:]*):') == token then
+    redis.call('SET', key, 'd', 'PX', window)
+    reply[i] = 1
+  else
+    reply[i] = 3
+  end
+end
+return reply

@@ -1,0 +1,22 @@
+-- renew: extend the leases of claims still in flight.
+-- KEYS[1..n]  one key per ID, all in one hash slot: <prefix>:{<scope>}:<id>
+-- ARGV[1]     owner token of the calling process
+-- ARGV[2]     lease in ms from now
+-- Reply: one integer per key: 1 renewed, 0 no longer ours
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local token = ARGV[1]
+local expiry = tostring(now + tonumber(ARGV[2]))
+local reply = {}
+for i, key in ipairs(KEYS) do
+  local value = redis.call('GET', key)
+  local owner, flag = nil, nil
+  if value then owner, flag = string.match(value, '^c:([^:]*):%d+:([01])$') end
+  if owner == token then
+    redis.call('SET', key, 'c:' .. token .. ':' .. expiry .. ':' .. flag, 'KEEPTTL')
+    reply[i] = 1
+  else
+    reply[i] = 0
+  end
+end
+return reply

@@ -1,0 +1,51 @@
+// Every error a user can cause or meet has a class here, so the CLI maps it to one line and an exit
+// code without matching on message text.
+
+export const ExitCode = {
+  ok: 0,
+  runtime: 1,
+  usage: 2,
+  limit: 4,
+  aborted: 130,
+} as const;
+
+/** An error whose message is meant for the operator: one line, what is wrong and what to do. */
+export class BridgeError extends Error {
+  readonly exitCode: number;
+  constructor(message: string, exitCode: number, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = new.target.name;
+    this.exitCode = exitCode;
+  }
+}
+
+/** Bad flags, a bad URL, a bad duration, a malformed config: exit 2. */
+export class ConfigError extends BridgeError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, ExitCode.usage, options);
+  }
+}
+
+/**
+ * A broker or Redis refused us for a reason retrying cannot fix (wrong credentials, a missing
+ * queue, no permission): exit 2, since the fix is in the configuration.
+ */
+export class FatalConnectError extends BridgeError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, ExitCode.usage, options);
+  }
+}
+
+/** A server could not be reached within the retry budget, or failed while we ran: exit 1. */
+export class UnavailableError extends BridgeError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, ExitCode.runtime, options);
+  }
+}
+
+/** A run-time failure that is not the user's input: exit 1. */
+export class RuntimeFailure extends BridgeError {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, ExitCode.runtime, options);
+  }
+}

@@ -1,0 +1,15 @@
+// The package's library surface: what the CLI uses, for programs that embed the bridge.
+export { type Bridge, startBridge } from './bridge/bridge.js';
+export type { RouteCounters } from './bridge/counters.js';
+export { IN_DOUBT_HEADER } from './bridge/pipeline.js';
+export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
+export { cacheKey, DedupCache } from './dedup/cache.js';
+export { DUPLICATE_ID_HEADER, deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
+export {
+  BridgeError,
+  ConfigError,
+  ExitCode,
+  FatalConnectError,
+  RuntimeFailure,
+  UnavailableError,
+} from './errors.js';
