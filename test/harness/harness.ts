@@ -1,0 +1,75 @@
+import { rmSync } from 'node:fs';
+import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from './servers.js';
+
+/** Where the tests find their servers, and whether the harness owns them (may stop and kill them). */
+export interface HarnessUrls {
+  sourceUrl: string;
+  targetUrl: string;
+  redisUrl: string;
+  /** True when the harness started these servers itself. */
+  own: boolean;
+  /** The run folder of servers the harness started ('' when not its own). */
+  runDir: string;
+}
+
+export interface Harness extends HarnessUrls {
+  source?: RabbitNode;
+  target?: RabbitNode;
+  redis?: RedisServer;
+  stop(): Promise<void>;
+}
+
+export const HOW_TO_GET_SERVERS =
+  'harness: no brokers: set SOURCE_URL, TARGET_URL and REDIS_URL (e.g. after `docker compose up -d`: ' +
+  'SOURCE_URL=amqp://guest:guest@127.0.0.1:5672 TARGET_URL=amqp://guest:guest@127.0.0.1:5673 REDIS_URL=redis://127.0.0.1:6379), ' +
+  'or install rabbitmq-server and redis-server so the harness can start its own';
+
+/**
+ * 1. SOURCE_URL, TARGET_URL and REDIS_URL from the environment, when all are set;
+ * 2. else its own throwaway RabbitMQ nodes (source, target) and Redis on free loopback ports;
+ * 3. else one clear error that says how to get them.
+ */
+export async function startHarness(): Promise<Harness> {
+  const { SOURCE_URL, TARGET_URL, REDIS_URL } = process.env;
+  if (SOURCE_URL && TARGET_URL && REDIS_URL) {
+    return { sourceUrl: SOURCE_URL, targetUrl: TARGET_URL, redisUrl: REDIS_URL, own: false, runDir: '', stop: async () => {} };
+  }
+  if (!haveLocalServers()) throw new Error(HOW_TO_GET_SERVERS);
+
+  cleanLeftovers();
+  const runDir = newRunDir();
+  const source = new RabbitNode(runDir, 'source');
+  const target = new RabbitNode(runDir, 'target');
+  const redis = new RedisServer(runDir, 'redis');
+  const stop = async () => {
+    await Promise.allSettled([source.stop(), target.stop(), redis.stop()]);
+    rmSync(runDir, { recursive: true, force: true });
+  };
+  // Stop what we started also when the run is interrupted.
+  const onSignal = () => {
+    void stop().finally(() => process.exit(130));
+  };
+  process.once('SIGINT', onSignal);
+  process.once('SIGTERM', onSignal);
+  try {
+    await Promise.all([source.start(), target.start(), redis.start()]);
+  } catch (error) {
+    await stop();
+    throw error;
+  }
+  return {
+    sourceUrl: source.url,
+    targetUrl: target.url,
+    redisUrl: redis.url,
+    own: true,
+    runDir,
+    source,
+    target,
+    redis,
+    stop: async () => {
+      process.off('SIGINT', onSignal);
+      process.off('SIGTERM', onSignal);
+      await stop();
+    },
+  };
+}

@@ -1,0 +1,165 @@
+import { spawn } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { fileURLToPath } from 'node:url';
+import amqp, { type ChannelModel, type ConfirmChannel, type GetMessage, type Options } from 'amqplib';
+import { inject } from 'vitest';
+
+export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
+
+export function servers() {
+  return inject('harness');
+}
+
+/** A random name per test, so tests never see each other's queues or dedup scopes. */
+export function uniqueName(prefix: string): string {
+  return `t-${prefix}-${randomBytes(4).toString('hex')}`;
+}
+
+export interface Broker {
+  connection: ChannelModel;
+  channel: ConfirmChannel;
+  close(): Promise<void>;
+}
+
+export async function openBroker(url: string): Promise<Broker> {
+  const connection = await amqp.connect(url);
+  connection.on('error', () => {});
+  const channel = await connection.createConfirmChannel();
+  channel.on('error', () => {});
+  return {
+    connection,
+    channel,
+    close: async () => {
+      await connection.close().catch(() => {});
+    },
+  };
+}
+
+export async function declareQueue(url: string, queue: string, options: Options.AssertQueue = {}): Promise<void> {
+  const broker = await openBroker(url);
+  try {
+    await broker.channel.assertQueue(queue, { durable: true, ...options });
+  } finally {
+    await broker.close();
+  }
+}
+
+export interface OutgoingMessage {
+  body: Buffer | string;
+  options?: Options.Publish;
+  exchange?: string;
+  routingKey?: string;
+}
+
+/** Publishes with confirms to a queue (through the default exchange) or to an exchange. */
+export async function publishAll(url: string, queue: string, messages: OutgoingMessage[]): Promise<void> {
+  const broker = await openBroker(url);
+  try {
+    for (const [index, message] of messages.entries()) {
+      const body = Buffer.isBuffer(message.body) ? message.body : Buffer.from(message.body);
+      const ok = broker.channel.publish(message.exchange ?? '', message.routingKey ?? queue, body, {
+        persistent: true,
+        ...message.options,
+      });
+      if (!ok || index % 500 === 499) await broker.channel.waitForConfirms();
+    }
+    await broker.channel.waitForConfirms();
+  } finally {
+    await broker.close();
+  }
+}
+
+/** Takes every message from a queue (basic.get until empty) and acks them. */
+export async function takeAll(url: string, queue: string): Promise<GetMessage[]> {
+  const broker = await openBroker(url);
+  const out: GetMessage[] = [];
+  try {
+    for (;;) {
+      const message = await broker.channel.get(queue, { noAck: true });
+      if (message === false) break;
+      out.push(message);
+    }
+  } finally {
+    await broker.close();
+  }
+  return out;
+}
+
+export async function depthOf(url: string, queue: string): Promise<number> {
+  const broker = await openBroker(url);
+  try {
+    return (await broker.channel.checkQueue(queue)).messageCount;
+  } finally {
+    await broker.close();
+  }
+}
+
+export interface CliResult {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+}
+
+/** Runs the built CLI as a user would; `env` adds to (or with undefined removes from) the environment. */
+export function runCli(
+  args: string[],
+  options: { env?: Record<string, string | undefined>; timeoutMs?: number } = {},
+): Promise<CliResult> {
+  const env: NodeJS.ProcessEnv = { ...process.env };
+  for (const name of Object.keys(env)) if (name.startsWith('DEDUP_BRIDGE_')) delete env[name];
+  for (const [name, value] of Object.entries(options.env ?? {})) {
+    if (value === undefined) delete env[name];
+    else env[name] = value;
+  }
+  return new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, [CLI, ...args], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.on('data', (chunk: Buffer) => {
+      stdout += chunk.toString();
+    });
+    child.stderr.on('data', (chunk: Buffer) => {
+      stderr += chunk.toString();
+    });
+    const timer = setTimeout(() => child.kill('SIGKILL'), options.timeoutMs ?? 90_000);
+    child.on('error', reject);
+    child.on('close', (code) => {
+      clearTimeout(timer);
+      resolve({ code, stdout, stderr });
+    });
+  });
+}
+
+export interface DeliveryCount {
+  expected: number;
+  received: number;
+  lost: number;
+  duplicated: number;
+  unexpected: number;
+}
+
+/** Counts lost, duplicated and unexpected messages by ID, and prints the figures. */
+export function countDelivery(label: string, expectedIds: Iterable<string>, receivedIds: string[]): DeliveryCount {
+  const expected = new Set(expectedIds);
+  const seen = new Map<string, number>();
+  for (const id of receivedIds) seen.set(id, (seen.get(id) ?? 0) + 1);
+  let lost = 0;
+  for (const id of expected) if (!seen.has(id)) lost++;
+  let duplicated = 0;
+  let unexpected = 0;
+  for (const [id, times] of seen) {
+    if (!expected.has(id)) unexpected += times;
+    else duplicated += times - 1;
+  }
+  const count = { expected: expected.size, received: receivedIds.length, lost, duplicated, unexpected };
+  process.stdout.write(
+    `delivery ${label}: expected ${count.expected} · received ${count.received} · lost ${lost} · duplicated ${duplicated} · unexpected ${unexpected}\n`,
+  );
+  return count;
+}
+
+/** The text form of a header value, for comparing IDs (Buffers by their bytes). */
+export function idText(value: unknown): string {
+  if (Buffer.isBuffer(value)) return `bytes:${value.toString('hex')}`;
+  return String(value);
+}
