@@ -35,7 +35,11 @@ export async function openBroker(url: string): Promise<Broker> {
   };
 }
 
-export async function declareQueue(url: string, queue: string, options: Options.AssertQueue = {}): Promise<void> {
+export async function declareQueue(
+  url: string,
+  queue: string,
+  options: Options.AssertQueue = {},
+): Promise<void> {
   const broker = await openBroker(url);
   try {
     await broker.channel.assertQueue(queue, { durable: true, ...options });
@@ -139,7 +143,11 @@ export interface DeliveryCount {
 }
 
 /** Counts lost, duplicated and unexpected messages by ID, and prints the figures. */
-export function countDelivery(label: string, expectedIds: Iterable<string>, receivedIds: string[]): DeliveryCount {
+export function countDelivery(
+  label: string,
+  expectedIds: Iterable<string>,
+  receivedIds: string[],
+): DeliveryCount {
   const expected = new Set(expectedIds);
   const seen = new Map<string, number>();
   for (const id of receivedIds) seen.set(id, (seen.get(id) ?? 0) + 1);
@@ -162,4 +170,39 @@ export function countDelivery(label: string, expectedIds: Iterable<string>, rece
 export function idText(value: unknown): string {
   if (Buffer.isBuffer(value)) return `bytes:${value.toString('hex')}`;
   return String(value);
+}
+
+/** `dedup-bridge migrate` between the harness's brokers, with a short idle timeout. */
+export function migrateArgs(sourceQueue: string, target: string[], ...extra: string[]): string[] {
+  const { sourceUrl, targetUrl, redisUrl } = servers();
+  return [
+    'migrate',
+    '--source',
+    sourceUrl,
+    '--source-queue',
+    sourceQueue,
+    '--target',
+    targetUrl,
+    ...target,
+    '--redis',
+    redisUrl,
+    '--idle-timeout',
+    '300ms',
+    ...extra,
+  ];
+}
+
+/** The `--report` JSON of a migrate run, written to a temp file. */
+export async function migrateWithReport(
+  args: string[],
+): Promise<CliResult & { report: Record<string, unknown> | undefined }> {
+  const { mkdtempSync, readFileSync, existsSync } = await import('node:fs');
+  const { join } = await import('node:path');
+  const { tmpdir } = await import('node:os');
+  const path = join(mkdtempSync(join(tmpdir(), 'dedup-report-')), 'report.json');
+  const result = await runCli([...args, '--report', path]);
+  const report = existsSync(path)
+    ? (JSON.parse(readFileSync(path, 'utf8')) as Record<string, unknown>)
+    : undefined;
+  return { ...result, report };
 }

@@ -126,6 +126,16 @@ export class SourceQueue {
     });
   }
 
+  /**
+   * Closes the consuming channel: the broker puts back every message we did not ack before it
+   * answers, so a depth read afterwards counts them.
+   */
+  async closeConsumer(): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    await this.channel.close().catch(() => {});
+  }
+
   async close(): Promise<void> {
     this.closed = true;
     await this.connection.close().catch(() => {});

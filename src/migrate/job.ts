@@ -73,6 +73,7 @@ export async function migrate(
   const unfinished = await bridge.stop(outcome === 'failed' ? 0 : settings.shutdownTimeoutMs);
   if (unfinished > 0)
     log.warn({ unfinished }, 'stopped with messages still unconfirmed; they stay in the source');
+  await source.closeConsumer();
   const remaining = await source.depth();
   await bridge.close();
   const report = buildReport(

@@ -21,7 +21,7 @@ export interface Harness extends HarnessUrls {
 
 export const HOW_TO_GET_SERVERS =
   'harness: no brokers: set SOURCE_URL, TARGET_URL and REDIS_URL (e.g. after `docker compose up -d`: ' +
-  'SOURCE_URL=amqp://guest:guest@127.0.0.1:5672 TARGET_URL=amqp://guest:guest@127.0.0.1:5673 REDIS_URL=redis://127.0.0.1:6379), ' +
+  'SOURCE_URL=amqp://bridge:bridge@127.0.0.1:5672 TARGET_URL=amqp://bridge:bridge@127.0.0.1:5673 REDIS_URL=redis://127.0.0.1:6379), ' +
   'or install rabbitmq-server and redis-server so the harness can start its own';
 
 /**
@@ -32,7 +32,14 @@ export const HOW_TO_GET_SERVERS =
 export async function startHarness(): Promise<Harness> {
   const { SOURCE_URL, TARGET_URL, REDIS_URL } = process.env;
   if (SOURCE_URL && TARGET_URL && REDIS_URL) {
-    return { sourceUrl: SOURCE_URL, targetUrl: TARGET_URL, redisUrl: REDIS_URL, own: false, runDir: '', stop: async () => {} };
+    return {
+      sourceUrl: SOURCE_URL,
+      targetUrl: TARGET_URL,
+      redisUrl: REDIS_URL,
+      own: false,
+      runDir: '',
+      stop: async () => {},
+    };
   }
   if (!haveLocalServers()) throw new Error(HOW_TO_GET_SERVERS);
 

@@ -1,5 +1,14 @@
 import { type SpawnOptions, spawn, spawnSync } from 'node:child_process';
-import { chownSync, existsSync, mkdirSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from 'node:fs';
+import {
+  chownSync,
+  existsSync,
+  mkdirSync,
+  readdirSync,
+  readFileSync,
+  readlinkSync,
+  rmSync,
+  writeFileSync,
+} from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -14,7 +23,10 @@ export function commandExists(command: string): boolean {
 }
 
 export function haveLocalServers(): boolean {
-  return commandExists('redis-server') && (existsSync(join(RABBIT_BIN, 'rabbitmq-server')) || commandExists('rabbitmq-server'));
+  return (
+    commandExists('redis-server') &&
+    (existsSync(join(RABBIT_BIN, 'rabbitmq-server')) || commandExists('rabbitmq-server'))
+  );
 }
 
 export async function freePort(): Promise<number> {
@@ -185,8 +197,11 @@ export class RabbitNode {
       writeFileSync(join(this.dir, 'enabled_plugins'), `[${plugins.join(',')}].\n`);
       writeFileSync(
         join(this.dir, 'rabbitmq.conf'),
-        [`listeners.tcp.default = ${this.port}`, 'loopback_users = none', ...(this.options.config ?? [])].join('\n') +
-          '\n',
+        [
+          `listeners.tcp.default = ${this.port}`,
+          'loopback_users = none',
+          ...(this.options.config ?? []),
+        ].join('\n') + '\n',
       );
       writeFileSync(join(this.dir, 'advanced.config'), '[].\n');
       writeFileSync(join(this.dir, 'rabbitmq-env.conf'), '');
@@ -312,7 +327,12 @@ function run(
     child.on(until, (code) => {
       clearTimeout(timer);
       if (code === 0) resolve(out);
-      else reject(new Error(`harness: ${command} ${args.join(' ')} exited ${code}: ${(err || out).trim().slice(-2000)}`));
+      else
+        reject(
+          new Error(
+            `harness: ${command} ${args.join(' ')} exited ${code}: ${(err || out).trim().slice(-2000)}`,
+          ),
+        );
     });
   });
 }

@@ -24,7 +24,8 @@ function workload(): { messages: OutgoingMessage[]; ids: Map<string, OutgoingMes
   const resends: OutgoingMessage[] = [];
   for (let i = 0; i < UNIQUE; i++) {
     const text = `order-${i}-${'x'.repeat(i % 50)}`;
-    const id: string | Buffer = i % 7 === 0 ? Buffer.from([0xff, 0x00, i & 0xff, (i >> 8) & 0xff, 0xfe]) : `id-${i}`;
+    const id: string | Buffer =
+      i % 7 === 0 ? Buffer.from([0xff, 0x00, i & 0xff, (i >> 8) & 0xff, 0xfe]) : `id-${i}`;
     const message: OutgoingMessage = {
       body: text,
       options: {

@@ -1,0 +1,154 @@
+import { describe, expect, it } from 'vitest';
+import { freePort } from '../harness/servers.js';
+import { type CliResult, declareQueue, runCli, servers, uniqueName } from '../helpers.js';
+
+const SECRET = 's3cr3t-Pa55';
+
+function withPassword(url: string, password: string): string {
+  const parsed = new URL(url);
+  parsed.password = password;
+  return parsed.toString();
+}
+
+/** One line on stderr, no stack trace, the password nowhere. */
+function expectOneLine(result: CliResult, code: number, pattern: RegExp): void {
+  const lines = result.stderr.trim().split('\n');
+  expect(lines, result.stderr).toHaveLength(1);
+  expect(lines[0]).toMatch(/^dedup-bridge: /);
+  expect(lines[0]).toMatch(pattern);
+  expect(result.stderr).not.toMatch(/\n\s+at /);
+  expect(result.stdout + result.stderr).not.toContain(SECRET);
+  expect(result.code).toBe(code);
+}
+
+async function queues() {
+  const { sourceUrl, targetUrl } = servers();
+  const source = uniqueName('src');
+  const target = uniqueName('dst');
+  await declareQueue(sourceUrl, source);
+  await declareQueue(targetUrl, target);
+  return { source, target };
+}
+
+function args(overrides: Record<string, string>, ...extra: string[]): string[] {
+  const { sourceUrl, targetUrl, redisUrl } = servers();
+  const options: Record<string, string> = {
+    '--source': sourceUrl,
+    '--source-queue': 'x',
+    '--target': targetUrl,
+    '--target-queue': 'y',
+    '--redis': redisUrl,
+    ...overrides,
+  };
+  return ['migrate', ...Object.entries(options).flat(), ...extra];
+}
+
+describe('bad input: one clear line, a documented exit code, no secrets', () => {
+  it('a malformed URL exits 2 and names the option', async () => {
+    const result = await runCli(args({ '--source': `amqp//guest:${SECRET}@host` }));
+    expectOneLine(result, 2, /--source .*not a URL/);
+  });
+
+  it('a URL of the wrong scheme exits 2 without printing its password', async () => {
+    const result = await runCli(args({ '--redis': `http://user:${SECRET}@localhost:6379` }));
+    expectOneLine(result, 2, /--redis .*scheme http; use redis or rediss/);
+  });
+
+  it('wrong credentials exit 2 and say the login was refused', async () => {
+    const { source, target } = await queues();
+    const result = await runCli(
+      args({
+        '--source': withPassword(servers().sourceUrl, SECRET),
+        '--source-queue': source,
+        '--target-queue': target,
+      }),
+    );
+    expectOneLine(result, 2, /source broker at amqp:\/\/guest:\*\*\*@.*login refused/);
+  });
+
+  it('an unreachable broker exits 1 after the bounded retry', async () => {
+    const port = await freePort();
+    const started = Date.now();
+    const result = await runCli(
+      args({ '--target': `amqp://guest:${SECRET}@127.0.0.1:${port}`, '--retry-for': '1s' }),
+    );
+    expectOneLine(result, 1, /target broker at .* is unreachable \(ECONNREFUSED\) after retrying/);
+    expect(Date.now() - started).toBeLessThan(30_000);
+  });
+
+  it('an unreachable Redis exits 1 after the bounded retry', async () => {
+    const port = await freePort();
+    const result = await runCli(
+      args({ '--redis': `redis://:${SECRET}@127.0.0.1:${port}`, '--retry-for': '1s' }),
+    );
+    expectOneLine(result, 1, /Redis at redis:\/\/:\*\*\*@127\.0\.0\.1:\d+\/? is unreachable/);
+  });
+
+  it('a missing source queue exits 2 and names it', async () => {
+    const { target } = await queues();
+    const missing = uniqueName('missing');
+    const result = await runCli(args({ '--source-queue': missing, '--target-queue': target }));
+    expectOneLine(
+      result,
+      2,
+      new RegExp(`--source-queue: queue "${missing}" does not exist on the source broker`),
+    );
+  });
+
+  it('a missing target queue or exchange exits 2 and names it', async () => {
+    const { source } = await queues();
+    const missing = uniqueName('missing');
+    const queue = await runCli(args({ '--source-queue': source, '--target-queue': missing }));
+    expectOneLine(
+      queue,
+      2,
+      new RegExp(`--target-queue: queue "${missing}" does not exist on the target broker`),
+    );
+    const { sourceUrl, targetUrl, redisUrl } = servers();
+    const exchange = await runCli([
+      'migrate',
+      '--source',
+      sourceUrl,
+      '--source-queue',
+      source,
+      '--target',
+      targetUrl,
+      '--target-exchange',
+      missing,
+      '--redis',
+      redisUrl,
+    ]);
+    expectOneLine(exchange, 2, new RegExp(`--target-exchange: exchange "${missing}" does not exist`));
+  });
+
+  it('an unknown option, a bad duration, a missing option, a bad number: exit 2', async () => {
+    expectOneLine(await runCli(args({}, '--frobnicate')), 2, /unknown option '--frobnicate'/);
+    expectOneLine(
+      await runCli(args({ '--dedup-window': '7 parsecs' })),
+      2,
+      /--dedup-window: "7 parsecs" is not a duration/,
+    );
+    expectOneLine(
+      await runCli(['migrate', '--source-queue', 'q']),
+      2,
+      /--source \(or DEDUP_BRIDGE_SOURCE\): is required/,
+    );
+    expectOneLine(await runCli(args({ '--prefetch': 'many' })), 2, /--prefetch: must be a whole number/);
+    expectOneLine(await runCli(['bogus-command']), 2, /unknown command 'bogus-command'/);
+  });
+
+  it('the environment variables configure a run, and nothing is left behind on an empty queue', async () => {
+    const { sourceUrl, targetUrl, redisUrl } = servers();
+    const { source, target } = await queues();
+    const result = await runCli(['migrate', '--target-queue', target, '--idle-timeout', '200ms'], {
+      env: {
+        DEDUP_BRIDGE_SOURCE: sourceUrl,
+        DEDUP_BRIDGE_SOURCE_QUEUE: source,
+        DEDUP_BRIDGE_TARGET: targetUrl,
+        DEDUP_BRIDGE_REDIS: redisUrl,
+      },
+    });
+    expect(result.code).toBe(0);
+    expect(result.stderr).toContain('drained');
+  });
+});

@@ -1,0 +1,485 @@
+import { describe, expect, it } from 'vitest';
+import { formatDuration, parseDuration } from '../../src/config/duration.js';
+import { redactUrl } from '../../src/config/redact.js';
+import {
+  DEFAULTS,
+  type RawOptions,
+  resolveBridgeSettings,
+  resolveMigrateSettings,
+} from '../../src/config/settings.js';
+import { ConfigError } from '../../src/errors.js';
+
+const SECRET = 'hunter2-Sup3rSecret';
+
+function catchError(fn: () => unknown): unknown {
+  try {
+    fn();
+  } catch (error) {
+    return error;
+  }
+  throw new Error('expected the function to throw');
+}
+
+/** The ConfigError that fn throws; fails the test when it throws anything else or nothing. */
+function configError(fn: () => unknown): ConfigError {
+  const error = catchError(fn);
+  expect(error).toBeInstanceOf(ConfigError);
+  const configError = error as ConfigError;
+  expect(configError.exitCode).toBe(2);
+  return configError;
+}
+
+describe('parseDuration', () => {
+  it.each([
+    ['500ms', 500],
+    ['2s', 2000],
+    ['5m', 300_000],
+    ['1h', 3_600_000],
+    ['1h30m', 5_400_000],
+    ['7d', 604_800_000],
+    ['1w', 604_800_000],
+    ['1d2h3m4s5ms', 86_400_000 + 7_200_000 + 180_000 + 4000 + 5],
+    ['1.5s', 1500],
+    ['0.5ms', 1],
+    ['0s', 0],
+    ['1500', 1500],
+    ['0', 0],
+    ['  2s  ', 2000],
+    [' 250 ', 250],
+  ])('parses %j as %d ms', (text, ms) => {
+    expect(parseDuration(text, '--x')).toBe(ms);
+  });
+
+  it.each([
+    ['5 parsecs'],
+    [''],
+    ['   '],
+    ['1x'],
+    ['s'],
+    ['ms'],
+    ['2s5'],
+    ['-1s'],
+    ['1h 30m'],
+    ['1.5'],
+    ['1S'],
+    ['abc'],
+    ['5s!'],
+  ])('rejects %j with a ConfigError naming the option', (text) => {
+    const error = configError(() => parseDuration(text, '--dedup-window'));
+    expect(error.message.startsWith('--dedup-window: ')).toBe(true);
+    expect(error.message).toContain(`"${text}"`);
+  });
+
+  it('names whatever option it is given', () => {
+    expect(configError(() => parseDuration('soon', '--lease')).message).toMatch(/^--lease: /);
+    expect(configError(() => parseDuration('soon', '--idle-timeout')).message).toMatch(/^--idle-timeout: /);
+  });
+});
+
+describe('formatDuration', () => {
+  it.each([
+    [604_800_000, '7d'],
+    [86_400_000, '1d'],
+    [3_600_000, '1h'],
+    [5_400_000, '90m'],
+    [60_000, '1m'],
+    [2000, '2s'],
+    [90_000, '90s'],
+    [1500, '1500ms'],
+    [1, '1ms'],
+  ])('formats %d ms as %j', (ms, text) => {
+    expect(formatDuration(ms)).toBe(text);
+  });
+
+  it('round-trips through parseDuration', () => {
+    for (const ms of [1, 999, 1000, 61_000, 3_600_000, 5_400_000, 604_800_000, 123_456_789]) {
+      expect(parseDuration(formatDuration(ms), '--x')).toBe(ms);
+    }
+  });
+});
+
+describe('redactUrl', () => {
+  it('masks the password and keeps user, host, port and vhost', () => {
+    const out = redactUrl(`amqp://alice:${SECRET}@broker.example:5672/prod`);
+    expect(out).not.toContain(SECRET);
+    expect(out).toContain('alice');
+    expect(out).toContain('broker.example:5672');
+    expect(out).toContain('/prod');
+    expect(out).toBe('amqp://alice:***@broker.example:5672/prod');
+  });
+
+  it('masks a password with characters that need encoding', () => {
+    const raw = 'p@ss:w/rd';
+    const out = redactUrl(`amqps://bob:${encodeURIComponent(raw)}@h.example/`);
+    expect(out).not.toContain(encodeURIComponent(raw));
+    expect(out).not.toContain('ss');
+    expect(out).toContain('bob');
+    expect(out).toContain('h.example');
+  });
+
+  it('masks a password that contains an unencoded @ in a parseable URL', () => {
+    const out = redactUrl(`redis://carol:${SECRET}@x@redis.example:6379`);
+    expect(out).not.toContain(SECRET);
+    expect(out).toContain('carol');
+    expect(out).toContain('redis.example:6379');
+  });
+
+  it('leaves a URL without a password as it is', () => {
+    expect(redactUrl('redis://127.0.0.1:6379')).toBe('redis://127.0.0.1:6379');
+    expect(redactUrl('amqp://guest@host/')).toBe('amqp://guest@host/');
+  });
+
+  it('masks the password in a string that is not a valid URL', () => {
+    const out = redactUrl(`amqp://alice:${SECRET}@host:notaport/`);
+    expect(out).not.toContain(SECRET);
+    expect(out).toBe('amqp://alice:***@host:notaport/');
+  });
+
+  it('masks the whole password of an unparseable URL, even one containing @', () => {
+    // The WHATWG parser takes the last @ as the end of the credentials; a fallback that stops at
+    // the first @ leaves the rest of the password in the output.
+    const password = 'tr0ub4dor@3-horse';
+    const out = redactUrl(`amqp://alice:${password}@host:99999/`);
+    expect(out).not.toContain('3-horse');
+    expect(out).toContain('alice');
+    expect(out).toContain('host');
+  });
+
+  it('returns a string that is not a URL unchanged and never throws', () => {
+    expect(redactUrl('not a url')).toBe('not a url');
+    expect(redactUrl('')).toBe('');
+    expect(redactUrl('://')).toBe('://');
+  });
+});
+
+const VALID: RawOptions = {
+  source: 'amqp://src-user:src-pass@source.example:5672/in',
+  sourceQueue: 'orders',
+  target: 'amqp://tgt-user:tgt-pass@target.example:5672/out',
+  targetQueue: 'orders-copy',
+};
+
+function resolve(overrides: Partial<Record<keyof RawOptions, string | undefined>>) {
+  return resolveBridgeSettings({ ...VALID, ...overrides } as RawOptions, 'run');
+}
+
+function resolveError(overrides: Partial<Record<keyof RawOptions, string | undefined>>): string {
+  return configError(() => resolve(overrides)).message;
+}
+
+describe('resolveBridgeSettings: defaults', () => {
+  it('fills in the documented defaults', () => {
+    const settings = resolve({});
+    expect(settings.prefetch).toBe(500);
+    expect(settings.dedupWindowMs).toBe(604_800_000);
+    expect(settings.batchSize).toBe(200);
+    expect(settings.leaseMs).toBe(15_000);
+    expect(settings.redisUrl).toBe('redis://127.0.0.1:6379');
+    expect(settings.redisPrefix).toBe('dedup');
+    expect(settings.onUnroutable).toBe('requeue');
+    expect(settings.parkQueue).toBeUndefined();
+    expect(settings.logLevel).toBe('info');
+    expect(settings.retryForMs).toBe(0);
+    expect(settings.shutdownTimeoutMs).toBe(30_000);
+    expect(settings.maxMessages).toBeUndefined();
+    expect(settings.requeueDelay).toEqual({ initialMs: 1000, maxMs: 30_000 });
+    expect(settings.idFrom).toEqual([
+      { kind: 'header', name: '_HQ_DUPL_ID' },
+      { kind: 'header', name: '_AMQ_DUPL_ID' },
+      { kind: 'message-id' },
+      { kind: 'content' },
+    ]);
+    expect(DEFAULTS.prefetch).toBe(500);
+  });
+
+  it('targets a queue through the default exchange, scoped to the queue', () => {
+    const settings = resolve({});
+    expect(settings.scope).toBe('queue:orders-copy');
+    expect(settings.targetExchange).toBe('');
+    expect(settings.targetQueue).toBe('orders-copy');
+    expect(settings.targetRoutingKey).toBe('orders-copy');
+  });
+
+  it('scopes an exchange target to the exchange and keeps each message its own key', () => {
+    const settings = resolve({ targetQueue: undefined, targetExchange: 'events' });
+    expect(settings.scope).toBe('exchange:events');
+    expect(settings.targetExchange).toBe('events');
+    expect(settings.targetQueue).toBeUndefined();
+    expect(settings.targetRoutingKey).toBeUndefined();
+  });
+
+  it('uses a fixed routing key with --target-exchange and --target-routing-key', () => {
+    const settings = resolve({ targetQueue: undefined, targetExchange: 'events', targetRoutingKey: 'k.1' });
+    expect(settings.targetRoutingKey).toBe('k.1');
+    expect(settings.scope).toBe('exchange:events');
+  });
+
+  it('lets --scope override the derived scope', () => {
+    expect(resolve({ scope: 'shared-target' }).scope).toBe('shared-target');
+  });
+
+  it('passes URLs, names and the target user through', () => {
+    const settings = resolve({});
+    expect(settings.sourceUrl).toBe(VALID.source);
+    expect(settings.targetUrl).toBe(VALID.target);
+    expect(settings.sourceQueue).toBe('orders');
+    expect(settings.targetUser).toBe('tgt-user');
+    expect(resolve({ target: 'amqp://target.example/' }).targetUser).toBe('guest');
+    expect(resolve({ target: 'amqp://j%C3%BCrgen:pw@target.example/' }).targetUser).toBe('jürgen');
+  });
+
+  it('parses the given options', () => {
+    const settings = resolve({
+      prefetch: '10',
+      batchSize: '50',
+      dedupWindow: '1h30m',
+      lease: '2s',
+      idFrom: 'message-id,content',
+      redis: 'rediss://cache.example:6380',
+      redisPrefix: 'bridge1',
+      logLevel: 'debug',
+      retryFor: '5m',
+      shutdownTimeout: '500ms',
+      maxMessages: '1000',
+    });
+    expect(settings.prefetch).toBe(10);
+    expect(settings.batchSize).toBe(50);
+    expect(settings.dedupWindowMs).toBe(5_400_000);
+    expect(settings.leaseMs).toBe(2000);
+    expect(settings.idFrom).toEqual([{ kind: 'message-id' }, { kind: 'content' }]);
+    expect(settings.redisUrl).toBe('rediss://cache.example:6380');
+    expect(settings.redisPrefix).toBe('bridge1');
+    expect(settings.logLevel).toBe('debug');
+    expect(settings.retryForMs).toBe(300_000);
+    expect(settings.shutdownTimeoutMs).toBe(500);
+    expect(settings.maxMessages).toBe(1000);
+  });
+
+  it('accepts amqps and the bounds of --prefetch', () => {
+    expect(resolve({ source: 'amqps://u:p@h.example:5671/' }).sourceUrl).toBe('amqps://u:p@h.example:5671/');
+    expect(resolve({ prefetch: '1' }).prefetch).toBe(1);
+    expect(resolve({ prefetch: '65535' }).prefetch).toBe(65535);
+  });
+
+  it('implies the park policy from --park-queue', () => {
+    const settings = resolve({ parkQueue: 'parked' });
+    expect(settings.onUnroutable).toBe('park');
+    expect(settings.parkQueue).toBe('parked');
+    expect(resolve({ parkQueue: 'parked', onUnroutable: 'park' }).onUnroutable).toBe('park');
+  });
+
+  it('accepts the other unroutable policies without a park queue', () => {
+    expect(resolve({ onUnroutable: 'dead-letter' }).onUnroutable).toBe('dead-letter');
+    expect(resolve({ onUnroutable: 'requeue' }).onUnroutable).toBe('requeue');
+  });
+});
+
+describe('resolveMigrateSettings', () => {
+  it('adds the migrate defaults', () => {
+    const settings = resolveMigrateSettings({ ...VALID });
+    expect(settings.idleTimeoutMs).toBe(2000);
+    expect(settings.reportPath).toBeUndefined();
+    expect(settings.retryForMs).toBe(60_000);
+    expect(settings.prefetch).toBe(500);
+    expect(settings.dedupWindowMs).toBe(604_800_000);
+    expect(settings.scope).toBe('queue:orders-copy');
+  });
+
+  it('parses its own options', () => {
+    const settings = resolveMigrateSettings({
+      ...VALID,
+      idleTimeout: '10s',
+      report: '/tmp/report.json',
+      retryFor: '0',
+      maxMessages: '5',
+    });
+    expect(settings.idleTimeoutMs).toBe(10_000);
+    expect(settings.reportPath).toBe('/tmp/report.json');
+    expect(settings.retryForMs).toBe(0);
+    expect(settings.maxMessages).toBe(5);
+  });
+
+  it('scopes an exchange target to the exchange', () => {
+    expect(resolveMigrateSettings({ ...VALID, targetQueue: undefined, targetExchange: 'ex' }).scope).toBe(
+      'exchange:ex',
+    );
+  });
+
+  it('rejects a bad --idle-timeout naming the flag', () => {
+    const error = configError(() => resolveMigrateSettings({ ...VALID, idleTimeout: 'forever' }));
+    expect(error.message).toMatch(/^--idle-timeout: /);
+  });
+
+  it('applies the same validation as run', () => {
+    const error = configError(() => resolveMigrateSettings({ ...VALID, source: undefined }));
+    expect(error.message).toMatch(/^--source\b.*: is required$/);
+  });
+});
+
+describe('resolveBridgeSettings: validation', () => {
+  it.each([
+    ['source', '--source'],
+    ['sourceQueue', '--source-queue'],
+    ['target', '--target'],
+  ] as const)('says %s is required, naming %s', (field, flag) => {
+    const message = resolveError({ [field]: undefined });
+    expect(message.startsWith(`${flag} `) || message.startsWith(`${flag}:`)).toBe(true);
+    expect(message).toContain('is required');
+  });
+
+  it('names the environment variable of a required option', () => {
+    expect(resolveError({ source: undefined })).toBe('--source (or DEDUP_BRIDGE_SOURCE): is required');
+  });
+
+  it('asks for a target queue or exchange when neither is given', () => {
+    const message = resolveError({ targetQueue: undefined });
+    expect(message).toMatch(/^--target-queue: /);
+    expect(message).toContain('--target-exchange');
+  });
+
+  it('rejects both --target-queue and --target-exchange', () => {
+    const message = resolveError({ targetExchange: 'events' });
+    expect(message).toMatch(/^--target-queue: /);
+    expect(message).toContain('not both');
+  });
+
+  it('rejects --target-routing-key without --target-exchange', () => {
+    const message = resolveError({ targetRoutingKey: 'rk' });
+    expect(message).toMatch(/^--target-routing-key: /);
+    expect(message).toContain('--target-exchange');
+  });
+
+  it('rejects --on-unroutable park without --park-queue', () => {
+    const message = resolveError({ onUnroutable: 'park' });
+    expect(message).toMatch(/^--park-queue: /);
+    expect(message).toContain('--on-unroutable park');
+  });
+
+  it('rejects --park-queue with another policy', () => {
+    const message = resolveError({ parkQueue: 'parked', onUnroutable: 'dead-letter' });
+    expect(message).toMatch(/^--park-queue: /);
+    expect(message).toContain('dead-letter');
+  });
+
+  it('rejects an unknown --on-unroutable policy', () => {
+    expect(resolveError({ onUnroutable: 'drop' })).toMatch(
+      /^--on-unroutable: .*requeue, dead-letter or park/,
+    );
+  });
+
+  it.each([
+    ['0', 'at least 1'],
+    ['abc', 'whole number'],
+    ['-5', 'whole number'],
+    ['1.5', 'whole number'],
+    ['', 'whole number'],
+    ['65536', 'at most 65535'],
+  ])('rejects --prefetch %j', (value, why) => {
+    const message = resolveError({ prefetch: value });
+    expect(message).toMatch(/^--prefetch: /);
+    expect(message).toContain(why);
+  });
+
+  it.each([['0'], ['5001'], ['x']])('rejects --batch-size %j', (value) => {
+    expect(resolveError({ batchSize: value })).toMatch(/^--batch-size: /);
+  });
+
+  it.each([['0'], ['many']])('rejects --max-messages %j', (value) => {
+    expect(resolveError({ maxMessages: value })).toMatch(/^--max-messages: /);
+  });
+
+  it.each([
+    ['source', '--source', 'http://u:p@h.example/'],
+    ['source', '--source', 'redis://h.example:6379'],
+    ['target', '--target', 'https://h.example/'],
+    ['target', '--target', 'mqtt://h.example/'],
+    ['redis', '--redis', 'amqp://h.example/'],
+    ['redis', '--redis', 'http://h.example:6379'],
+  ] as const)('rejects %s with a wrong scheme (%s %s)', (field, flag, url) => {
+    const message = resolveError({ [field]: url });
+    expect(message.startsWith(`${flag} `)).toBe(true);
+    expect(message).toContain('scheme');
+  });
+
+  it.each([
+    ['source', '--source', 'localhost'],
+    ['target', '--target', 'amqp://h.example:notaport/'],
+    ['redis', '--redis', 'redis//missing-colon'],
+  ] as const)('rejects %s that is not a URL (%s %j)', (field, flag, url) => {
+    const message = resolveError({ [field]: url });
+    expect(message.startsWith(`${flag} `)).toBe(true);
+    expect(message).toContain('not a URL');
+  });
+
+  it.each([
+    ['sourceQueue', '--source-queue', ''],
+    ['targetQueue', '--target-queue', ''],
+    ['targetQueue', '--target-queue', 'q'.repeat(256)],
+    ['parkQueue', '--park-queue', ''],
+  ] as const)('rejects a bad queue name for %s (%s) %j', (field, flag, value) => {
+    expect(resolveError({ [field]: value }).startsWith(`${flag}`)).toBe(true);
+  });
+
+  it.each([
+    ['redisPrefix', '--redis-prefix', 'a:b'],
+    ['redisPrefix', '--redis-prefix', ''],
+    ['redisPrefix', '--redis-prefix', '{x}'],
+    ['scope', '--scope', 'has space'],
+    ['scope', '--scope', 'a{b}'],
+    ['logLevel', '--log-level', 'loud'],
+  ] as const)('rejects %s (%s) %j', (field, flag, value) => {
+    expect(resolveError({ [field]: value }).startsWith(`${flag}`)).toBe(true);
+  });
+
+  it('rejects a target queue name that cannot be part of a scope', () => {
+    expect(resolveError({ targetQueue: 'my queue' })).toMatch(/^--scope: /);
+    expect(resolve({ targetQueue: 'my queue', scope: 'my-queue' }).scope).toBe('my-queue');
+  });
+
+  it.each([
+    ['dedupWindow', '--dedup-window', '5 parsecs'],
+    ['lease', '--lease', '1x'],
+    ['retryFor', '--retry-for', 'a while'],
+    ['shutdownTimeout', '--shutdown-timeout', ''],
+  ] as const)('rejects a bad duration for %s (%s) %j', (field, flag, value) => {
+    expect(resolveError({ [field]: value })).toMatch(new RegExp(`^${flag}: `));
+  });
+
+  it('rejects a --lease under 1s and a --dedup-window shorter than the lease', () => {
+    expect(resolveError({ lease: '999ms' })).toMatch(/^--lease: /);
+    expect(resolveError({ lease: '1m', dedupWindow: '30s' })).toMatch(/^--dedup-window: /);
+  });
+
+  it('rejects a bad --id-from', () => {
+    expect(resolveError({ idFrom: 'header:' })).toMatch(/^--id-from: /);
+  });
+
+  it('reports a malformed target user name as a ConfigError', () => {
+    // "%E0%A4%A" is not valid percent-encoding: decoding it must not escape as a URIError.
+    const message = resolveError({ target: 'amqp://%E0%A4%A:pw@target.example/' });
+    expect(message).toMatch(/^--target\b/);
+  });
+
+  describe('never echoes a password', () => {
+    it.each([
+      ['source', `http://user:${SECRET}@h.example/`],
+      ['source', `amqp://user:${SECRET}@h.example:notaport/`],
+      ['source', `amqp://user:${SECRET}@/vhost`],
+      ['target', `ftp://user:${SECRET}@h.example/`],
+      ['target', `amqp://user:${SECRET}@h ost/`],
+      ['redis', `http://:${SECRET}@h.example:6379`],
+      ['redis', `redis://:${SECRET}@h.example:99999999`],
+    ] as const)('in the error for a bad %s %j', (field, url) => {
+      const message = resolveError({ [field]: url });
+      expect(message).not.toContain(SECRET);
+      expect(message).toContain('***');
+    });
+
+    it('in the error for a URL without its scheme', () => {
+      // A common slip: user:password@host without amqp://. It parses as a URL with scheme "user".
+      const message = resolveError({ source: `user:${SECRET}@h.example:5672/vhost` });
+      expect(message).toMatch(/^--source\b/);
+      expect(message).not.toContain(SECRET);
+    });
+  });
+});
