@@ -206,3 +206,56 @@ export async function migrateWithReport(
     : undefined;
   return { ...result, report };
 }
+
+export interface RunningCli {
+  pid: number;
+  /** Resolves with the exit code and output once the process ends. */
+  done: Promise<CliResult>;
+  signal(name: NodeJS.Signals): void;
+  output(): string;
+}
+
+/** Starts the CLI in the background (e.g. `run`), for tests that signal or kill it. */
+export function startCli(args: string[]): RunningCli {
+  const child = spawn(process.execPath, [CLI, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let stdout = '';
+  let stderr = '';
+  child.stdout.on('data', (chunk: Buffer) => {
+    stdout += chunk.toString();
+  });
+  child.stderr.on('data', (chunk: Buffer) => {
+    stderr += chunk.toString();
+  });
+  const done = new Promise<CliResult>((resolve) => {
+    child.on('close', (code, signal) => resolve({ code: code ?? (signal ? -1 : null), stdout, stderr }));
+  });
+  return {
+    pid: child.pid ?? 0,
+    done,
+    signal: (name) => child.kill(name),
+    output: () => stdout + stderr,
+  };
+}
+
+/** Polls until `check` is true or the time is up; returns the last value of `check`. */
+export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs = 30_000): Promise<boolean> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    if (await check()) return true;
+    if (Date.now() > deadline) return false;
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+}
+
+/** `dedup-bridge run` between the harness's brokers. */
+export function runArgs(sourceQueue: string, target: string[], ...extra: string[]): string[] {
+  return [
+    'run',
+    ...migrateArgs(sourceQueue, target, ...extra)
+      .slice(1)
+      .filter((_, i, all) => {
+        // migrate's --idle-timeout does not exist for run
+        return !(all[i] === '--idle-timeout' || all[i - 1] === '--idle-timeout');
+      }),
+  ];
+}

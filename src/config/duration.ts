@@ -32,6 +32,7 @@ export function parseDuration(text: string, what: string): number {
 }
 
 export function formatDuration(ms: number): string {
+  if (ms === 0) return '0s';
   if (ms % 86_400_000 === 0) return `${ms / 86_400_000}d`;
   if (ms % 3_600_000 === 0) return `${ms / 3_600_000}h`;
   if (ms % 60_000 === 0) return `${ms / 60_000}m`;

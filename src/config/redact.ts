@@ -2,12 +2,23 @@
 export function redactUrl(url: string): string {
   try {
     const parsed = new URL(url);
-    if (parsed.password) parsed.password = '***';
-    return parsed.toString();
+    if (parsed.password) {
+      parsed.password = '***';
+      return parsed.toString();
+    }
+    if (url.includes('://')) return url;
+    // Parsed without "//": typed without its scheme, "user:" reads as one. Use the text rule.
   } catch {
-    // Not a URL we can parse: mask anything between "//user:" and "@".
-    return url.replace(/(\/\/[^:/@]*:)[^@]*@/, '$1***@');
+    // Not a URL we can parse: use the text rule.
   }
+  // Mask between the first ':' of the user info and the last '@', where URL parsers split.
+  const schemeEnd = url.indexOf('://');
+  const prefix = schemeEnd >= 0 ? url.slice(0, schemeEnd + 3) : '';
+  const rest = url.slice(prefix.length);
+  const at = rest.lastIndexOf('@');
+  const colon = rest.indexOf(':');
+  if (at < 0 || colon < 0 || colon > at) return url;
+  return `${prefix}${rest.slice(0, colon)}:***${rest.slice(at)}`;
 }
 
 /** Removes every occurrence of the given secrets from a text (for errors that echo a URL). */

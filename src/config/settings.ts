@@ -203,6 +203,17 @@ const rawSchema = z
     }
   });
 
+function userOf(url: string): string {
+  const raw = new URL(url).username;
+  try {
+    return decodeURIComponent(raw) || 'guest';
+  } catch {
+    throw new ConfigError(
+      `--target (or DEDUP_BRIDGE_TARGET): the user name "${raw}" is not valid percent-encoding`,
+    );
+  }
+}
+
 function firstIssue(error: z.ZodError): ConfigError {
   const issue = error.issues[0];
   const field = String(issue?.path[0] ?? '');
@@ -249,8 +260,8 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
   const leaseMs = parseDuration(raw.lease ?? DEFAULTS.lease, '--lease');
   if (leaseMs < 1000) throw new ConfigError('--lease: must be at least 1s');
   const dedupWindowMs = parseDuration(raw.dedupWindow ?? DEFAULTS.dedupWindow, '--dedup-window');
-  if (dedupWindowMs < leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
-  const targetUser = decodeURIComponent(new URL(options.target).username) || 'guest';
+  if (dedupWindowMs <= leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
+  const targetUser = userOf(options.target);
 
   return {
     sourceUrl: options.source,

@@ -125,12 +125,12 @@ function capLength(key: string): string {
 
 function typeName(value: unknown): string {
   if (value === null) return 'void';
+  if (typeof value === 'string' || Buffer.isBuffer(value)) return 'empty';
   if (Array.isArray(value)) return 'array';
   if (typeof value === 'object') {
     const tagged = (value as Record<string, unknown>)['!'];
     return typeof tagged === 'string' ? tagged : 'table';
   }
-  if (typeof value === 'string' || Buffer.isBuffer(value)) return 'empty';
   return typeof value;
 }
 

@@ -201,7 +201,8 @@ export class RabbitNode {
           `listeners.tcp.default = ${this.port}`,
           'loopback_users = none',
           ...(this.options.config ?? []),
-        ].join('\n') + '\n',
+          '',
+        ].join('\n'),
       );
       writeFileSync(join(this.dir, 'advanced.config'), '[].\n');
       writeFileSync(join(this.dir, 'rabbitmq-env.conf'), '');

@@ -1,0 +1,117 @@
+import { describe, expect, it } from 'vitest';
+import {
+  countDelivery,
+  declareQueue,
+  depthOf,
+  openBroker,
+  publishAll,
+  runArgs,
+  servers,
+  startCli,
+  takeAll,
+  uniqueName,
+  waitFor,
+} from '../helpers.js';
+
+async function queues() {
+  const { sourceUrl, targetUrl } = servers();
+  const source = uniqueName('src');
+  const target = uniqueName('dst');
+  await declareQueue(sourceUrl, source);
+  await declareQueue(targetUrl, target);
+  return { sourceUrl, targetUrl, source, target };
+}
+
+function batch(from: number, to: number, prefix = 'id') {
+  return Array.from({ length: to - from }, (_, i) => ({
+    body: `body-${from + i}`,
+    options: { headers: { _HQ_DUPL_ID: `${prefix}-${from + i}` } },
+  }));
+}
+
+describe('dedup-bridge run', () => {
+  it('forwards while producers publish, and SIGTERM finishes in-flight work and exits 0', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queues();
+    const bridge = startCli(runArgs(source, ['--target-queue', target]));
+    await publishAll(sourceUrl, source, batch(0, 1000));
+    await publishAll(sourceUrl, source, batch(500, 1500)); // 500 resent
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 1500)).toBe(true);
+    bridge.signal('SIGTERM');
+    const result = await bridge.done;
+    expect(result.code).toBe(0);
+    expect(result.stdout).toContain('"msg":"stopped"');
+    const arrived = await takeAll(targetUrl, target);
+    const count = countDelivery(
+      'run 1,500 + 500 resent',
+      batch(0, 1500).map((m) => m.options.headers._HQ_DUPL_ID),
+      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+  });
+
+  it('three replicas on one queue forward each message once', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queues();
+    const replicas = [0, 1, 2].map(() =>
+      startCli(runArgs(source, ['--target-queue', target], '--prefetch', '50')),
+    );
+    // Every message is published three times, so the replicas race for the same IDs.
+    const messages = batch(0, 2000);
+    await Promise.all([
+      publishAll(sourceUrl, source, messages),
+      publishAll(sourceUrl, source, messages),
+      publishAll(sourceUrl, source, [...messages].reverse()),
+    ]);
+    expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0, 60_000)).toBe(true);
+    for (const replica of replicas) replica.signal('SIGTERM');
+    const results = await Promise.all(replicas.map((replica) => replica.done));
+    expect(results.map((result) => result.code)).toEqual([0, 0, 0]);
+    const arrived = await takeAll(targetUrl, target);
+    const count = countDelivery(
+      'three replicas, every message sent 3x',
+      messages.map((m) => m.options.headers._HQ_DUPL_ID),
+      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+  });
+
+  it('keeps unroutable messages in the source until a binding exists, then forwards them once', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queues();
+    const exchange = uniqueName('ex');
+    const broker = await openBroker(targetUrl);
+    await broker.channel.assertExchange(exchange, 'direct', { durable: true });
+    const bridge = startCli(
+      runArgs(source, ['--target-exchange', exchange, '--target-routing-key', 'orders']),
+    );
+    await publishAll(sourceUrl, source, batch(0, 20));
+    expect(await waitFor(() => bridge.output().includes('goes back to the source queue'))).toBe(true);
+    expect(await depthOf(targetUrl, target)).toBe(0);
+    await broker.channel.bindQueue(target, exchange, 'orders');
+    await broker.close();
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 20, 60_000)).toBe(true);
+    bridge.signal('SIGTERM');
+    expect((await bridge.done).code).toBe(0);
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+    expect(await depthOf(targetUrl, target)).toBe(20);
+  });
+
+  it('a second signal exits at once with 130, and nothing unconfirmed is acked', async () => {
+    const { sourceUrl, source } = await queues();
+    // The target queue does not route: messages stay held in backoff, so the first stop waits.
+    const bridge = startCli(
+      runArgs(
+        source,
+        ['--target-exchange', '', '--target-routing-key', uniqueName('nowhere')],
+        '--shutdown-timeout',
+        '60s',
+      ),
+    );
+    await publishAll(sourceUrl, source, batch(0, 5));
+    expect(await waitFor(() => bridge.output().includes('goes back to the source queue'))).toBe(true);
+    bridge.signal('SIGINT');
+    bridge.signal('SIGINT');
+    const result = await bridge.done;
+    expect([0, 130]).toContain(result.code);
+    expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 5)).toBe(true);
+  });
+});
