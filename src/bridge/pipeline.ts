@@ -108,6 +108,11 @@ export class Pipeline {
     return this.held > 0 && this.held === this.waitingToRequeue;
   }
 
+  /** When a message was last forwarded, skipped as a duplicate, parked or dead-lettered. */
+  get lastProgress(): number {
+    return this.lastProgressAt;
+  }
+
   get msSinceProgress(): number {
     return Date.now() - this.lastProgressAt;
   }

@@ -83,6 +83,7 @@ export async function migrate(
     pipeline.counters,
     remaining,
     Date.now() - started,
+    pipeline.counters.consumed > 0 ? pipeline.lastProgress - started : Date.now() - started,
   );
   if (settings.reportPath) await writeReport(settings.reportPath, report);
   return { report, exitCode: exitCodeOf(outcome, report), problem };

@@ -20,7 +20,10 @@ export interface MigrateReport {
   /** Messages left in the source queue at the end; null when it could not be read. */
   remaining: number | null;
   seconds: number;
-  /** Source messages handled (forwarded, duplicates, parked, dead-lettered) per second. */
+  /**
+   * Source messages handled (forwarded, duplicates, parked, dead-lettered) per second, from the
+   * start of the job to its last handled message (the idle wait that proves the drain not counted).
+   */
   ratePerSecond: number;
 }
 
@@ -31,9 +34,11 @@ export function buildReport(
   counters: RouteCounters,
   remaining: number | undefined,
   elapsedMs: number,
+  activeMs: number,
 ): MigrateReport {
   const seconds = Math.max(elapsedMs, 1) / 1000;
   const handled = counters.forwarded + counters.duplicates + counters.parked + counters.deadLettered;
+  const activeSeconds = Math.max(activeMs, 1) / 1000;
   return {
     outcome,
     sourceQueue,
@@ -50,7 +55,7 @@ export function buildReport(
     consumed: counters.consumed,
     remaining: remaining ?? null,
     seconds: Math.round(seconds * 1000) / 1000,
-    ratePerSecond: Math.round(handled / seconds),
+    ratePerSecond: Math.round(handled / activeSeconds),
   };
 }
 

@@ -1,4 +1,5 @@
 import { describe, expect, it } from 'vitest';
+import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
   declareQueue,
@@ -96,22 +97,45 @@ describe('dedup-bridge run', () => {
   });
 
   it('a second signal exits at once with 130, and nothing unconfirmed is acked', async () => {
-    const { sourceUrl, source } = await queues();
-    // The target queue does not route: messages stay held in backoff, so the first stop waits.
-    const bridge = startCli(
-      runArgs(
+    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { redisUrl } = servers();
+    // The target answers nothing through a blackholed proxy: publishes wait for confirms forever.
+    const proxy = FaultProxy.forUrl(targetUrl);
+    await proxy.start();
+    try {
+      const bridge = startCli([
+        'run',
+        '--source',
+        sourceUrl,
+        '--source-queue',
         source,
-        ['--target-exchange', '', '--target-routing-key', uniqueName('nowhere')],
+        '--target',
+        proxy.urlFor(targetUrl),
+        '--target-queue',
+        target,
+        '--redis',
+        redisUrl,
         '--shutdown-timeout',
         '60s',
-      ),
-    );
-    await publishAll(sourceUrl, source, batch(0, 5));
-    expect(await waitFor(() => bridge.output().includes('goes back to the source queue'))).toBe(true);
-    bridge.signal('SIGINT');
-    bridge.signal('SIGINT');
-    const result = await bridge.done;
-    expect([0, 130]).toContain(result.code);
-    expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 5)).toBe(true);
+      ]);
+      expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'))).toBe(true);
+      proxy.setMode('blackhole');
+      await publishAll(sourceUrl, source, batch(0, 5));
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);
+      bridge.signal('SIGINT');
+      expect(await waitFor(() => bridge.output().includes('stopping: finishing in-flight messages'))).toBe(
+        true,
+      );
+      const started = Date.now();
+      bridge.signal('SIGINT');
+      const result = await bridge.done;
+      expect(result.code).toBe(130);
+      expect(Date.now() - started).toBeLessThan(5000);
+      expect(result.stderr).toContain('second SIGINT: exiting now');
+      // Nothing was acked: all five are back in the source.
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 5)).toBe(true);
+    } finally {
+      await proxy.stop();
+    }
   });
 });
