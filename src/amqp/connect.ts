@@ -10,7 +10,11 @@ export interface ConnectOptions {
   /** Give up after retrying this long; 0 retries forever. */
   retryForMs: number;
   log: Logger;
+  /** Stop retrying when this returns true (the bridge is shutting down). */
+  cancelled?: () => boolean;
 }
+
+export class ConnectCancelled extends Error {}
 
 /**
  * Opens an AMQP connection, retrying network failures with backoff until `retryForMs`, and
@@ -32,6 +36,7 @@ export async function connectAmqp(url: string, options: ConnectOptions): Promise
     } catch (error) {
       const fatal = classifyConnectError(error, where);
       if (fatal) throw fatal;
+      if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
       const elapsed = Date.now() - started;
       if (options.retryForMs > 0 && elapsed >= options.retryForMs) throw unreachable(where, error, elapsed);
       const delay = backoffDelay(attempt);
@@ -40,6 +45,7 @@ export async function connectAmqp(url: string, options: ConnectOptions): Promise
         `${where} not reachable; retrying`,
       );
       await sleep(delay);
+      if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
     }
   }
 }

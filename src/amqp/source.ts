@@ -4,59 +4,81 @@ import type { Logger } from '../observe/log.js';
 import { replyCodeOf } from './errors.js';
 
 /**
- * The source side: one consuming channel with manual acks and a prefetch, a probe channel for
- * queue depth, and (when parking is on) a confirm channel to move messages to the park queue.
+ * The source side: a consuming channel with manual acks and a prefetch, a probe channel for queue
+ * depth, and (when parking is on) a confirm channel to move messages to the park queue. It is
+ * attached to each new connection; a message is acked or nacked only on the channel that delivered
+ * it, so a delivery tag from a lost channel can never ack another message.
  */
 export class SourceQueue {
-  private consumerTag: string | undefined;
-  private closed = false;
+  private channel: Channel | undefined;
+  private probe: Channel | undefined;
   private parkChannel: ConfirmChannel | undefined;
-  /** Called once when the channel or connection goes away while we still use it. */
-  onLost: (reason: string) => void = () => {};
-  /** Called when the broker cancels our consumer (queue deleted, node down). */
-  onCancelled: () => void = () => {};
+  private consumerTag: string | undefined;
+  private onMessage: ((message: ConsumeMessage) => void) | undefined;
+  private readonly deliveredOn = new WeakMap<ConsumeMessage, Channel>();
+  private attachments = 0;
+  /** Runs before consuming on a new connection (the pipeline settles what the old one left). */
+  beforeConsume: () => Promise<void> = async () => {};
+  /** Called when a channel closes or the broker cancels the consumer: the owner reconnects. */
+  onBroken: (reason: string) => void = () => {};
 
-  private constructor(
-    private readonly connection: ChannelModel,
-    private readonly channel: Channel,
-    private readonly probe: Channel,
+  constructor(
     readonly queue: string,
+    private readonly prefetch: number,
+    private readonly parkQueue: string | undefined,
     private readonly where: string,
     private readonly log: Logger,
   ) {}
 
-  static async open(
-    connection: ChannelModel,
-    queue: string,
-    prefetch: number,
-    where: string,
-    log: Logger,
-  ): Promise<SourceQueue> {
-    const probe = await openChannel(connection, log);
-    await checkQueueExists(probe, queue, where, '--source-queue');
-    const channel = await openChannel(connection, log);
-    await channel.prefetch(prefetch);
-    const source = new SourceQueue(connection, channel, probe, queue, where, log);
-    const lost = (reason: string) => {
-      if (source.closed) return;
-      source.closed = true;
-      source.onLost(reason);
+  /** Opens the channels on a fresh connection; fails fatally when a queue is missing. */
+  async attach(connection: ChannelModel): Promise<void> {
+    const attachment = ++this.attachments;
+    const probe = await openChannel(connection, this.log);
+    await checkQueueExists(probe, this.queue, this.where, '--source-queue');
+    if (this.parkQueue !== undefined) {
+      await checkQueueExists(probe, this.parkQueue, this.where, '--park-queue');
+      const park = await connection.createConfirmChannel();
+      park.on('error', (error: Error) => this.log.warn({ error: error.message }, 'park channel error'));
+      this.parkChannel = park;
+    }
+    const channel = await openChannel(connection, this.log);
+    await channel.prefetch(this.prefetch);
+    const broken = (what: string) => () => {
+      if (this.attachments === attachment && this.channel === channel) this.onBroken(`${what} closed`);
     };
-    channel.on('close', () => lost('source channel closed'));
-    connection.on('close', () => lost('source connection closed'));
-    return source;
+    channel.on('close', broken('source channel'));
+    probe.on('close', broken('source probe channel'));
+    this.probe = probe;
+    this.channel = channel;
+    if (this.onMessage) await this.startConsumer(channel, attachment > 1);
+  }
+
+  /** Forgets the channels of a lost connection: their unacked messages go back to the queue. */
+  detach(): void {
+    this.channel = undefined;
+    this.probe = undefined;
+    this.parkChannel = undefined;
+    this.consumerTag = undefined;
   }
 
   async consume(onMessage: (message: ConsumeMessage) => void): Promise<void> {
-    const reply = await this.channel.consume(
+    this.onMessage = onMessage;
+    if (this.channel) await this.startConsumer(this.channel, false);
+  }
+
+  private async startConsumer(channel: Channel, again: boolean): Promise<void> {
+    if (again) await this.beforeConsume();
+    if (this.channel !== channel || !this.onMessage) return;
+    const handler = this.onMessage;
+    const reply = await channel.consume(
       this.queue,
       (message) => {
         if (message === null) {
-          this.log.warn({ queue: this.queue }, 'source consumer cancelled by the broker');
-          this.onCancelled();
+          if (this.channel === channel) this.onBroken('the broker cancelled the consumer');
           return;
         }
-        onMessage(message);
+        this.deliveredOn.set(message, channel);
+        handler(message);
       },
       { noAck: false },
     );
@@ -64,20 +86,22 @@ export class SourceQueue {
   }
 
   async stopConsuming(): Promise<void> {
+    this.onMessage = undefined;
     const tag = this.consumerTag;
     this.consumerTag = undefined;
-    if (tag && !this.closed) await this.channel.cancel(tag).catch(() => {});
+    if (tag && this.channel) await this.channel.cancel(tag).catch(() => {});
   }
 
-  get isOpen(): boolean {
-    return !this.closed;
+  get isConnected(): boolean {
+    return this.channel !== undefined;
   }
 
-  /** Acks one message, or every message up to it with `upTo`. False when the channel is gone. */
-  ack(message: ConsumeMessage, upTo = false): boolean {
-    if (this.closed) return false;
+  /** Acks one message on the channel that delivered it. False when that channel is gone. */
+  ack(message: ConsumeMessage): boolean {
+    const channel = this.liveChannelOf(message);
+    if (!channel) return false;
     try {
-      this.channel.ack(message, upTo);
+      channel.ack(message);
       return true;
     } catch {
       return false;
@@ -86,37 +110,38 @@ export class SourceQueue {
 
   /** Returns a message to the queue (requeue) or hands it to the queue's dead-letter exchange. */
   nack(message: ConsumeMessage, requeue: boolean): boolean {
-    if (this.closed) return false;
+    const channel = this.liveChannelOf(message);
+    if (!channel) return false;
     try {
-      this.channel.nack(message, false, requeue);
+      channel.nack(message, false, requeue);
       return true;
     } catch {
       return false;
     }
   }
 
+  private liveChannelOf(message: ConsumeMessage): Channel | undefined {
+    const channel = this.deliveredOn.get(message);
+    return channel !== undefined && channel === this.channel ? channel : undefined;
+  }
+
   /** Ready messages in the queue (unacked ones not counted), or undefined when unknown. */
   async depth(): Promise<number | undefined> {
     try {
-      const reply = await this.probe.checkQueue(this.queue);
-      return reply.messageCount;
+      return this.probe ? (await this.probe.checkQueue(this.queue)).messageCount : undefined;
     } catch {
       return undefined;
     }
   }
 
-  async enableParking(parkQueue: string): Promise<void> {
-    await checkQueueExists(this.probe, parkQueue, this.where, '--park-queue');
-    this.parkChannel = (await this.connection.createConfirmChannel()) as ConfirmChannel;
-    this.parkChannel.on('error', (error) => this.log.warn({ error: error.message }, 'park channel error'));
-  }
-
   /** Publishes a copy to the park queue and waits for the broker's confirm. */
-  park(parkQueue: string, message: ConsumeMessage, reason: string): Promise<boolean> {
+  park(message: ConsumeMessage, reason: string): Promise<boolean> {
     const channel = this.parkChannel;
-    if (!channel) return Promise.resolve(false);
+    if (!channel || this.parkQueue === undefined || !this.liveChannelOf(message))
+      return Promise.resolve(false);
     const headers = { ...(message.properties.headers ?? {}), 'x-dedup-park-reason': reason };
     const options = { ...publishOptionsOf(message), headers, mandatory: true };
+    const parkQueue = this.parkQueue;
     return new Promise((resolve) => {
       try {
         channel.publish('', parkQueue, message.content, options, (error) => resolve(!error));
@@ -131,14 +156,9 @@ export class SourceQueue {
    * answers, so a depth read afterwards counts them.
    */
   async closeConsumer(): Promise<void> {
-    if (this.closed) return;
-    this.closed = true;
-    await this.channel.close().catch(() => {});
-  }
-
-  async close(): Promise<void> {
-    this.closed = true;
-    await this.connection.close().catch(() => {});
+    const channel = this.channel;
+    this.channel = undefined;
+    if (channel) await channel.close().catch(() => {});
   }
 }
 
@@ -148,7 +168,7 @@ export async function openChannel(connection: ChannelModel, log: Logger): Promis
   return channel;
 }
 
-/** Fails with an operator's message when the queue is missing; reopens nothing (caller's channel). */
+/** Fails with an operator's message when the queue is missing (the check closes the channel then). */
 export async function checkQueueExists(
   channel: Channel,
   queue: string,
@@ -165,7 +185,7 @@ export async function checkQueueExists(
     }
     if (replyCodeOf(error) === 403) {
       throw new FatalConnectError(
-        `${flag}: access to queue "${queue}" refused on the ${where}; grant the user configure/read permission on it`,
+        `${flag}: access to queue "${queue}" refused on the ${where}; grant the user permission on it`,
       );
     }
     throw error;

@@ -17,56 +17,69 @@ interface Pending {
 }
 
 /**
- * The target side: one confirm channel, publishing with `mandatory`. A returned message is matched
- * to its publish by its `_HQ_DUPL_ID` (one publish per ID is in flight at a time), and a publish
- * waits for 'drain' whenever amqplib's buffer is full.
+ * The target side: one confirm channel, publishing with `mandatory`, attached to each new
+ * connection. Publishing waits while the target is disconnected or has blocked us (a memory or
+ * disk alarm), and whenever amqplib's write buffer is full ('drain'). A returned message is matched
+ * to its publish by its `_HQ_DUPL_ID`: one publish per ID is in flight at a time.
  */
 export class TargetPublisher {
+  private channel: ConfirmChannel | undefined;
+  private blocked = false;
   private closed = false;
+  private wakeReady: (() => void)[] = [];
   private drained: Promise<void> | undefined;
   private readonly pending = new Map<string, Pending>();
-  onLost: (reason: string) => void = () => {};
-  onBlocked: (blocked: boolean, reason?: string) => void = () => {};
+  /** Called when the channel closes under us: the owner reconnects. */
+  onBroken: (reason: string) => void = () => {};
 
-  private constructor(
-    private readonly connection: ChannelModel,
-    private readonly channel: ConfirmChannel,
+  constructor(
+    private readonly exchange: string,
+    private readonly queue: string | undefined,
+    private readonly where: string,
     private readonly log: Logger,
   ) {}
 
-  static async open(connection: ChannelModel, log: Logger): Promise<TargetPublisher> {
+  async attach(connection: ChannelModel): Promise<void> {
+    await this.checkDestination(connection);
     const channel = await connection.createConfirmChannel();
-    const target = new TargetPublisher(connection, channel, log);
-    channel.on('error', (error: Error) => log.warn({ error: error.message }, 'target channel error'));
-    channel.on('return', (message: Message) => target.markReturned(message));
-    channel.on('drain', () => {
-      target.drained = undefined;
+    channel.on('error', (error: Error) => this.log.warn({ error: error.message }, 'target channel error'));
+    channel.on('return', (message: Message) => this.markReturned(message));
+    channel.on('close', () => {
+      if (this.channel === channel) this.onBroken('target channel closed');
     });
-    const lost = (reason: string) => {
-      if (target.closed) return;
-      target.closed = true;
-      target.onLost(reason);
-    };
-    channel.on('close', () => lost('target channel closed'));
-    connection.on('close', () => lost('target connection closed'));
-    connection.on('blocked', (reason: string) => target.onBlocked(true, reason));
-    connection.on('unblocked', () => target.onBlocked(false));
-    return target;
+    connection.on('blocked', (reason: string) => {
+      this.blocked = true;
+      this.log.warn({ reason }, `${this.where}: blocked publishing (resource alarm); waiting`);
+    });
+    connection.on('unblocked', () => {
+      this.blocked = false;
+      this.log.info(`${this.where}: unblocked publishing`);
+      this.wake();
+    });
+    this.blocked = false;
+    this.drained = undefined;
+    this.channel = channel;
+    this.wake();
+  }
+
+  detach(): void {
+    this.channel = undefined;
+    this.drained = undefined;
   }
 
   /** Checks that the destination exists, so a typo fails before anything moves. */
-  async checkDestination(exchange: string, queue: string | undefined, where: string): Promise<void> {
-    const probe = await openChannel(this.connection, this.log);
+  private async checkDestination(connection: ChannelModel): Promise<void> {
+    const probe = await openChannel(connection, this.log);
     try {
-      if (queue !== undefined) {
-        await checkQueueExists(probe, queue, where, '--target-queue');
-      } else if (exchange !== '') {
+      if (this.queue !== undefined) {
+        await checkQueueExists(probe, this.queue, this.where, '--target-queue');
+      } else if (this.exchange !== '') {
         try {
-          await probe.checkExchange(exchange);
+          await probe.checkExchange(this.exchange);
         } catch (error) {
           if (replyCodeOf(error) === 404) {
             throw new FatalConnectError(
-              `--target-exchange: exchange "${exchange}" does not exist on the ${where}; declare it first or fix the name`,
+              `--target-exchange: exchange "${this.exchange}" does not exist on the ${this.where}; declare it first or fix the name`,
             );
           }
           throw error;
@@ -77,8 +90,25 @@ export class TargetPublisher {
     }
   }
 
-  get isOpen(): boolean {
-    return !this.closed;
+  get isBlocked(): boolean {
+    return this.blocked;
+  }
+
+  private wake(): void {
+    for (const wake of this.wakeReady.splice(0)) wake();
+  }
+
+  /** Resolves with a channel once connected and not blocked; undefined once closed for good. */
+  private async ready(): Promise<ConfirmChannel | undefined> {
+    for (;;) {
+      if (this.closed) return undefined;
+      if (this.channel && !this.blocked && !this.drained) return this.channel;
+      if (this.drained && this.channel && !this.blocked) {
+        await this.drained;
+        continue;
+      }
+      await new Promise<void>((resolve) => this.wakeReady.push(resolve));
+    }
   }
 
   /**
@@ -92,8 +122,8 @@ export class TargetPublisher {
     options: Options.Publish,
     idKey: string,
   ): Promise<PublishOutcome> {
-    while (this.drained && !this.closed) await this.drained;
-    if (this.closed) return 'lost';
+    const channel = await this.ready();
+    if (!channel) return 'lost';
     const pending: Pending = { returned: false };
     this.pending.set(idKey, pending);
     return new Promise<PublishOutcome>((resolve) => {
@@ -102,7 +132,7 @@ export class TargetPublisher {
         resolve(outcome);
       };
       try {
-        const ok = this.channel.publish(
+        const ok = channel.publish(
           exchange,
           routingKey,
           content,
@@ -114,28 +144,27 @@ export class TargetPublisher {
             }
             // amqplib calls back with an error both for a nack and for a closed channel; its close
             // handlers run synchronously, so by the next microtask we know which one it was.
-            queueMicrotask(() => settle(this.closed ? 'lost' : 'nacked'));
+            queueMicrotask(() => settle(this.channel === channel ? 'nacked' : 'lost'));
           },
         );
-        if (!ok && !this.drained) {
-          this.drained = new Promise((wake) => {
-            const done = () => {
-              this.channel.off('drain', done);
-              this.channel.off('close', done);
-              wake();
-            };
-            this.channel.on('drain', done);
-            this.channel.on('close', done);
-          });
-        }
+        if (!ok && !this.drained) this.waitForDrain(channel);
       } catch (error) {
-        if (error instanceof RangeError) {
-          // amqplib refuses headers that do not fit its encoding buffer: the target cannot take it.
-          settle('nacked');
-        } else {
-          settle('lost');
-        }
+        // amqplib refuses headers that do not fit its encoding buffer: the target cannot take it.
+        settle(error instanceof RangeError ? 'nacked' : 'lost');
       }
+    });
+  }
+
+  private waitForDrain(channel: ConfirmChannel): void {
+    this.drained = new Promise((resolve) => {
+      const done = () => {
+        channel.off('drain', done);
+        channel.off('close', done);
+        if (this.channel === channel) this.drained = undefined;
+        resolve();
+      };
+      channel.on('drain', done);
+      channel.on('close', done);
     });
   }
 
@@ -146,8 +175,9 @@ export class TargetPublisher {
     else this.log.warn('target returned a message the bridge cannot match to a publish');
   }
 
-  async close(): Promise<void> {
+  /** Ends every wait for the target (publishes still waiting resolve as 'lost'). */
+  close(): void {
     this.closed = true;
-    await this.connection.close().catch(() => {});
+    this.wake();
   }
 }

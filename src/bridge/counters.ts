@@ -24,6 +24,8 @@ export interface RouteCounters {
   badIdHeader: number;
   /** Deliveries the broker marked as redelivered. */
   redelivered: number;
+  /** Publishes lost with the target connection and sent again flagged in-doubt. */
+  resentInDoubt: number;
   /** Commits that found our claim taken over by another owner (our lease ran out). */
   claimTakenOver: number;
 }
@@ -42,6 +44,7 @@ export function newCounters(): RouteCounters {
     noId: 0,
     badIdHeader: 0,
     redelivered: 0,
+    resentInDoubt: 0,
     claimTakenOver: 0,
   };
 }

@@ -79,6 +79,8 @@ export class Pipeline {
   private readonly retryCounts = new Map<string, number>();
   private renewTimer: NodeJS.Timeout | undefined;
   private stopping = false;
+  /** Set when a stop ran out of time: publishes still waiting for the target give up. */
+  private abandoned = false;
   private failed: ((error: Error) => void) | undefined;
   private idleWaiters: (() => void)[] = [];
 
@@ -152,7 +154,10 @@ export class Pipeline {
     while (this.active.size > 0 || this.batch.length > 0) {
       this.flush();
       const result = await Promise.race([Promise.allSettled([...this.active]), deadline]);
-      if (result === 'timeout') break;
+      if (result === 'timeout') {
+        this.abandoned = true;
+        break;
+      }
     }
     if (this.renewTimer) clearInterval(this.renewTimer);
     return this.held;
@@ -284,7 +289,7 @@ export class Pipeline {
     }
     if (toPublish.length === 0) return;
 
-    const outcomes = await Promise.all(toPublish.map((entry) => this.publish(entry)));
+    const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
     const confirmed: Entry[] = [];
     const refused: [Entry, Failure][] = [];
     const lost: Entry[] = [];
@@ -321,10 +326,28 @@ export class Pipeline {
     }
 
     if (lost.length > 0) {
-      // The target may hold these: keep the claims (they expire as in-doubt, so the next attempt
-      // is flagged) and leave the messages unacked; the source gets them back when we go.
-      for (const entry of lost) this.claimed.delete(entry);
-      throw new Error(`target connection lost with ${lost.length} publish(es) unconfirmed`);
+      // Only when stopping gave up waiting for the target: the target may hold these, so keep the
+      // claims (they run out as in-doubt, and the next attempt is flagged) and leave the messages
+      // unacked for the source to give back.
+      for (const entry of lost) {
+        this.claimed.delete(entry);
+        this.settle(entry, () => false);
+      }
+    }
+  }
+
+  /**
+   * Publishes until the target answers. A publish lost with its connection may or may not be on
+   * the target: it is sent again, flagged in-doubt, once the target is back.
+   */
+  private async publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
+    for (;;) {
+      const outcome = await this.publish(entry);
+      if (outcome !== 'lost' || this.abandoned) return outcome;
+      if (entry.state !== 'in-doubt') {
+        entry.state = 'in-doubt';
+        this.counters.resentInDoubt++;
+      }
     }
   }
 
@@ -358,7 +381,7 @@ export class Pipeline {
     this.failuresSinceProgress++;
     const { onUnroutable, parkQueue } = this.settings;
     if (onUnroutable === 'park' && parkQueue !== undefined) {
-      if (await this.source.park(parkQueue, entry.message, why)) {
+      if (await this.source.park(entry.message, why)) {
         this.counters.parked++;
         this.progress();
         this.log.warn({ route: this.settings.name, reason: why, parkQueue }, 'message parked');

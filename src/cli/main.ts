@@ -74,7 +74,8 @@ async function runCommand(raw: RawOptions): Promise<number> {
     log.info({ unfinished, counters: bridge.pipeline.counters }, 'stopped');
     return ExitCode.ok;
   }
-  await bridge.stop(0);
+  // Retrying cannot fix this (a queue deleted, credentials revoked): release and report.
+  await bridge.stop(settings.shutdownTimeoutMs);
   await bridge.close();
   throw first;
 }

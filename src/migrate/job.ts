@@ -2,7 +2,7 @@ import { writeFile } from 'node:fs/promises';
 import { sleep } from '../amqp/backoff.js';
 import { startBridge } from '../bridge/bridge.js';
 import type { MigrateSettings } from '../config/settings.js';
-import { BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
+import { type BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { buildReport, type MigrateOutcome, type MigrateReport } from './report.js';
 
@@ -32,7 +32,8 @@ export async function migrate(
   void interrupt.then(() => {
     interrupted = true;
   });
-  let failure: Error | undefined;
+  let failure: BridgeError | undefined;
+  let failureCode: number = ExitCode.runtime;
   void bridge.failure.then((error) => {
     failure = error;
   });
@@ -42,9 +43,14 @@ export async function migrate(
   let idleSince: number | undefined;
   while (outcome === undefined) {
     await sleep(POLL_MS);
+    const outage = bridge.outage();
     if (failure) {
       outcome = 'failed';
       problem = failure.message;
+      failureCode = failure.exitCode;
+    } else if (outage && settings.retryForMs > 0 && outage.ms >= settings.retryForMs) {
+      outcome = 'failed';
+      problem = `${outage.what} unreachable for ${Math.round(outage.ms / 1000)}s (--retry-for); nothing unforwarded was acked: run again when it is back`;
     } else if (interrupted) {
       outcome = 'interrupted';
     } else if (pipeline.limitReached && pipeline.heldCount === 0) {
@@ -86,7 +92,7 @@ export async function migrate(
     pipeline.counters.consumed > 0 ? pipeline.lastProgress - started : Date.now() - started,
   );
   if (settings.reportPath) await writeReport(settings.reportPath, report);
-  return { report, exitCode: exitCodeOf(outcome, report), problem };
+  return { report, exitCode: outcome === 'failed' ? failureCode : exitCodeOf(outcome, report), problem };
 }
 
 function exitCodeOf(outcome: MigrateOutcome, report: MigrateReport): number {
@@ -108,8 +114,4 @@ async function writeReport(path: string, report: MigrateReport): Promise<void> {
     const reason = (error as NodeJS.ErrnoException).code ?? String(error);
     throw new RuntimeFailure(`--report: cannot write "${path}" (${reason}); the migration itself finished`);
   }
-}
-
-export function isBridgeError(error: unknown): error is BridgeError {
-  return error instanceof BridgeError;
 }

@@ -67,10 +67,15 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
   });
 
   it('an unreachable broker exits 1 after the bounded retry', async () => {
+    const { source } = await queues();
     const port = await freePort();
     const started = Date.now();
     const result = await runCli(
-      args({ '--target': `amqp://guest:${SECRET}@127.0.0.1:${port}`, '--retry-for': '1s' }),
+      args({
+        '--target': `amqp://guest:${SECRET}@127.0.0.1:${port}`,
+        '--source-queue': source,
+        '--retry-for': '1s',
+      }),
     );
     expectOneLine(result, 1, /target broker at .* is unreachable \(ECONNREFUSED\) after retrying/);
     expect(Date.now() - started).toBeLessThan(30_000);
