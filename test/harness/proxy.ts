@@ -4,13 +4,15 @@ export type ProxyMode = 'pass' | 'blackhole';
 
 /**
  * A TCP fault proxy between the bridge and one server: passes bytes through, delays them,
- * swallows them (blackhole: connections stay open, nothing arrives either way), or resets every
- * open connection on command. Listens on a free loopback port.
+ * blackholes them (connections stay open and nothing arrives either way, as in a network partition;
+ * the bytes are held, as TCP would retransmit them, and flow again when the partition heals), or
+ * resets every open connection on command. Listens on a free loopback port.
  */
 export class FaultProxy {
   private server: Server | undefined;
   private readonly pairs = new Set<[Socket, Socket]>();
   private mode: ProxyMode = 'pass';
+  private held: [Socket, Buffer][] = [];
   private delayMs = 0;
   port = 0;
 
@@ -51,7 +53,10 @@ export class FaultProxy {
     this.pairs.add(pair);
     const forward = (from: Socket, to: Socket) => {
       from.on('data', (chunk: Buffer) => {
-        if (this.mode === 'blackhole') return;
+        if (this.mode === 'blackhole') {
+          this.held.push([to, chunk]);
+          return;
+        }
         if (this.delayMs > 0) setTimeout(() => to.write(chunk), this.delayMs);
         else to.write(chunk);
       });
@@ -72,6 +77,9 @@ export class FaultProxy {
   /** pass: bytes flow; blackhole: bytes are dropped silently, connections stay open. */
   setMode(mode: ProxyMode): void {
     this.mode = mode;
+    if (mode === 'pass') {
+      for (const [to, chunk] of this.held.splice(0)) if (!to.destroyed) to.write(chunk);
+    }
   }
 
   setDelay(ms: number): void {
@@ -80,6 +88,7 @@ export class FaultProxy {
 
   /** Resets every open connection (the peers see ECONNRESET). */
   resetAll(): void {
+    this.held = [];
     for (const [client, upstream] of this.pairs) {
       client.resetAndDestroy();
       upstream.resetAndDestroy();

@@ -1,0 +1,288 @@
+import { rmSync } from 'node:fs';
+import amqp from 'amqplib';
+import { FaultProxy } from '../harness/proxy.js';
+import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
+import { CLI, type RunningCli, startCli } from '../helpers.js';
+
+/** Full run (`npm run chaos`) or the short one inside `npm test`. */
+export const FULL = process.env.CHAOS_FULL === '1';
+
+export const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
+export const randomBetween = (low: number, high: number) => low + Math.floor(Math.random() * (high - low));
+
+/**
+ * Servers the chaos suite owns, so it may stop, kill and restart them: a source node (with the
+ * Shovel plugin, for the comparison), a target node, a Redis with AOF and one without, and a
+ * fault proxy in front of each.
+ */
+export class ChaosWorld {
+  readonly source: RabbitNode;
+  readonly target: RabbitNode;
+  readonly redisAof: RedisServer;
+  readonly redisVolatile: RedisServer;
+  proxies!: { source: FaultProxy; target: FaultProxy; redis: FaultProxy; redisVolatile: FaultProxy };
+
+  private constructor(readonly runDir: string) {
+    this.source = new RabbitNode(runDir, 'chaos-source', { plugins: ['rabbitmq_shovel'] });
+    this.target = new RabbitNode(runDir, 'chaos-target');
+    this.redisAof = new RedisServer(runDir, 'chaos-redis-aof', true);
+    this.redisVolatile = new RedisServer(runDir, 'chaos-redis', false);
+  }
+
+  static async create(): Promise<ChaosWorld> {
+    if (!haveLocalServers()) {
+      throw new Error('chaos: needs rabbitmq-server and redis-server installed, to stop and restart them');
+    }
+    cleanLeftovers();
+    const world = new ChaosWorld(newRunDir());
+    await Promise.all([
+      world.source.start(),
+      world.target.start(),
+      world.redisAof.start(),
+      world.redisVolatile.start(),
+    ]);
+    world.proxies = {
+      source: FaultProxy.forUrl(world.source.url),
+      target: FaultProxy.forUrl(world.target.url),
+      redis: FaultProxy.forUrl(world.redisAof.url),
+      redisVolatile: FaultProxy.forUrl(world.redisVolatile.url),
+    };
+    await Promise.all(Object.values(world.proxies).map((proxy) => proxy.start()));
+    return world;
+  }
+
+  /** Bridge URLs, through the proxies; short AMQP heartbeats so a partition is noticed in seconds. */
+  bridgeUrls(volatileRedis = false) {
+    const heartbeat = (url: string) => `${url.replace(/\/$/, '')}/?heartbeat=2`;
+    return {
+      source: heartbeat(this.proxies.source.urlFor(this.source.url)),
+      target: heartbeat(this.proxies.target.urlFor(this.target.url)),
+      redis: volatileRedis
+        ? this.proxies.redisVolatile.urlFor(this.redisVolatile.url)
+        : this.proxies.redis.urlFor(this.redisAof.url),
+    };
+  }
+
+  async stop(): Promise<void> {
+    await Promise.allSettled(Object.values(this.proxies ?? {}).map((proxy) => proxy.stop()));
+    await Promise.allSettled([
+      this.source.stop(),
+      this.target.stop(),
+      this.redisAof.stop(),
+      this.redisVolatile.stop(),
+    ]);
+    rmSync(this.runDir, { recursive: true, force: true });
+  }
+}
+
+export async function declare(url: string, queue: string): Promise<void> {
+  const connection = await amqp.connect(url);
+  const channel = await connection.createChannel();
+  await channel.assertQueue(queue, { durable: true });
+  await connection.close();
+}
+
+/** Publishes `count` persistent messages with IDs `<prefix>-<i>` straight to the source node. */
+export async function publishWorkload(
+  url: string,
+  queue: string,
+  prefix: string,
+  count: number,
+): Promise<string[]> {
+  const connection = await amqp.connect(url);
+  const channel = await connection.createConfirmChannel();
+  const ids: string[] = [];
+  const body = Buffer.alloc(256, 'x');
+  for (let i = 0; i < count; i++) {
+    const id = `${prefix}-${i}`;
+    ids.push(id);
+    if (!channel.sendToQueue(queue, body, { persistent: true, headers: { _HQ_DUPL_ID: id } })) {
+      await channel.waitForConfirms();
+    }
+    if (i % 1000 === 999) await channel.waitForConfirms();
+  }
+  await channel.waitForConfirms();
+  await connection.close();
+  return ids;
+}
+
+/** Ready + unacked messages of a queue, from the node itself; -1 while the node is down. */
+export async function totalMessages(node: RabbitNode, queue: string): Promise<number> {
+  try {
+    const out = await node.ctl('list_queues', '-q', '--no-table-headers', 'name', 'messages');
+    for (const line of out.split('\n')) {
+      const [name, count] = line.trim().split(/\s+/);
+      if (name === queue) return Number(count);
+    }
+    return 0;
+  } catch {
+    return -1;
+  }
+}
+
+export interface Copy {
+  id: string;
+  inDoubt: boolean;
+}
+
+/** Takes every message from a queue: its `_HQ_DUPL_ID` and whether it was flagged in-doubt. */
+export async function drainTarget(url: string, queue: string): Promise<Copy[]> {
+  const connection = await amqp.connect(url);
+  const channel = await connection.createChannel();
+  const copies: Copy[] = [];
+  for (;;) {
+    const message = await channel.get(queue, { noAck: true });
+    if (message === false) break;
+    const headers = message.properties.headers ?? {};
+    copies.push({ id: String(headers._HQ_DUPL_ID), inDoubt: headers['x-dedup-in-doubt'] === true });
+  }
+  await connection.close();
+  return copies;
+}
+
+export interface ScenarioResult {
+  scenario: string;
+  system: 'dedup-bridge' | 'Shovel';
+  sent: number;
+  received: number;
+  lost: number;
+  /** Extra copies on the target, flagged or not. */
+  duplicates: number;
+  /** Extra copies that carried `x-dedup-in-doubt: true`. */
+  flagged: number;
+  /** Extra copies without the flag. */
+  unflagged: number;
+  unexpected: number;
+  faults: number;
+  seconds: number;
+  note: string;
+}
+
+export function score(
+  scenario: string,
+  system: ScenarioResult['system'],
+  ids: string[],
+  copies: Copy[],
+  faults: number,
+  started: number,
+  note = '',
+): ScenarioResult {
+  const expected = new Set(ids);
+  const byId = new Map<string, { total: number; flagged: number }>();
+  let unexpected = 0;
+  for (const copy of copies) {
+    if (!expected.has(copy.id)) {
+      unexpected++;
+      continue;
+    }
+    const seen = byId.get(copy.id) ?? { total: 0, flagged: 0 };
+    seen.total++;
+    if (copy.inDoubt) seen.flagged++;
+    byId.set(copy.id, seen);
+  }
+  let duplicates = 0;
+  let unflagged = 0;
+  for (const seen of byId.values()) {
+    duplicates += seen.total - 1;
+    // One unflagged copy is the original; any other unflagged copy is an unflagged duplicate.
+    unflagged += Math.max(0, seen.total - seen.flagged - 1);
+  }
+  return {
+    scenario,
+    system,
+    sent: ids.length,
+    received: copies.length,
+    lost: ids.length - byId.size,
+    duplicates,
+    flagged: duplicates - unflagged,
+    unflagged,
+    unexpected,
+    faults,
+    seconds: Math.round((Date.now() - started) / 100) / 10,
+    note,
+  };
+}
+
+export function formatTable(results: ScenarioResult[]): string {
+  const head = [
+    'scenario',
+    'system',
+    'sent',
+    'lost',
+    'dup',
+    'flagged',
+    'unflagged',
+    'unexpected',
+    'faults',
+    's',
+  ];
+  const rows = results.map((r) => [
+    r.scenario,
+    r.system,
+    String(r.sent),
+    String(r.lost),
+    String(r.duplicates),
+    String(r.flagged),
+    String(r.unflagged),
+    String(r.unexpected),
+    String(r.faults),
+    String(r.seconds),
+  ]);
+  const widths = head.map((h, i) => Math.max(h.length, ...rows.map((row) => (row[i] as string).length)));
+  const line = (cells: string[]) => `| ${cells.map((c, i) => c.padEnd(widths[i] as number)).join(' | ')} |`;
+  return [line(head), `|${widths.map((w) => '-'.repeat(w + 2)).join('|')}|`, ...rows.map(line)].join('\n');
+}
+
+export interface BridgeOptions {
+  world: ChaosWorld;
+  sourceQueue: string;
+  targetQueue: string;
+  volatileRedis?: boolean;
+  prefetch?: number;
+}
+
+/** `dedup-bridge run` through the proxies, with a short lease so a killed owner's claims run out fast. */
+export function startBridgeProcess(options: BridgeOptions): RunningCli {
+  const urls = options.world.bridgeUrls(options.volatileRedis);
+  return startCli([
+    'run',
+    '--source',
+    urls.source,
+    '--source-queue',
+    options.sourceQueue,
+    '--target',
+    urls.target,
+    '--target-queue',
+    options.targetQueue,
+    '--redis',
+    urls.redis,
+    '--lease',
+    '3s',
+    '--prefetch',
+    String(options.prefetch ?? 500),
+    '--shutdown-timeout',
+    '20s',
+  ]);
+}
+
+/** Waits until the source holds nothing (ready or unacked) and the target has all `count` IDs. */
+export async function waitForTransfer(
+  world: ChaosWorld,
+  sourceQueue: string,
+  targetQueue: string,
+  count: number,
+  timeoutMs: number,
+): Promise<boolean> {
+  const deadline = Date.now() + timeoutMs;
+  while (Date.now() < deadline) {
+    const [left, arrived] = await Promise.all([
+      totalMessages(world.source, sourceQueue),
+      totalMessages(world.target, targetQueue),
+    ]);
+    if (left === 0 && arrived >= count) return true;
+    await sleep(250);
+  }
+  return false;
+}
+
+export { CLI };
