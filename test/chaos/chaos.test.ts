@@ -253,16 +253,24 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     const { sourceQueue, targetQueue } = await queues(name);
     const ids = await publishWorkload(world.source.url, sourceQueue, name, MESSAGES);
     const started = Date.now();
+    // One replica is killed again and again while two others keep running.
+    const startVictim = async () => {
+      const victim = startBridgeProcess({ world, sourceQueue, targetQueue, prefetch: PREFETCH });
+      for (let i = 0; i < 100 && !victim.output().includes('"msg":"forwarding"'); i++) await sleep(20);
+      return victim;
+    };
+    let victim = await startVictim();
     const steady = [0, 1].map(() =>
       startBridgeProcess({ world, sourceQueue, targetQueue, prefetch: PREFETCH }),
     );
     let kills = 0;
-    while (kills < KILLS && (await totalMessages(world.source, sourceQueue)) > MESSAGES / 10) {
-      const victim = startBridgeProcess({ world, sourceQueue, targetQueue, prefetch: PREFETCH });
-      await sleep(randomBetween(400, 900));
+    for (;;) {
+      await sleep(randomBetween(100, 300));
       victim.signal('SIGKILL');
       await victim.done;
       kills++;
+      if (kills >= KILLS || (await totalMessages(world.source, sourceQueue)) === 0) break;
+      victim = await startVictim();
     }
     const done = await waitForTransfer(world, sourceQueue, targetQueue, MESSAGES, TRANSFER_TIMEOUT_MS);
     for (const bridge of steady) bridge.signal('SIGTERM');
