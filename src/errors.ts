@@ -5,6 +5,7 @@ export const ExitCode = {
   ok: 0,
   runtime: 1,
   usage: 2,
+  locked: 3,
   limit: 4,
   aborted: 130,
 } as const;

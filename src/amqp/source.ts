@@ -192,6 +192,20 @@ export async function checkQueueExists(
   }
 }
 
+/** Fails with an operator's message when the target exchange is missing. */
+export async function checkExchangeExists(channel: Channel, exchange: string, where: string): Promise<void> {
+  try {
+    await channel.checkExchange(exchange);
+  } catch (error) {
+    if (replyCodeOf(error) === 404) {
+      throw new FatalConnectError(
+        `--target-exchange: exchange "${exchange}" does not exist on the ${where}; declare it first or fix the name`,
+      );
+    }
+    throw error;
+  }
+}
+
 /** The publish options that reproduce a delivered message's properties. */
 export function publishOptionsOf(message: ConsumeMessage): Options.Publish {
   const p = message.properties;

@@ -1,9 +1,7 @@
 import type { ChannelModel, ConfirmChannel, Message, Options } from 'amqplib';
 import { keyOfValue } from '../dedup/id.js';
-import { FatalConnectError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { replyCodeOf } from './errors.js';
-import { checkQueueExists, openChannel } from './source.js';
+import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** What the target said about one publish. */
 export type PublishOutcome =
@@ -74,16 +72,7 @@ export class TargetPublisher {
       if (this.queue !== undefined) {
         await checkQueueExists(probe, this.queue, this.where, '--target-queue');
       } else if (this.exchange !== '') {
-        try {
-          await probe.checkExchange(this.exchange);
-        } catch (error) {
-          if (replyCodeOf(error) === 404) {
-            throw new FatalConnectError(
-              `--target-exchange: exchange "${this.exchange}" does not exist on the ${this.where}; declare it first or fix the name`,
-            );
-          }
-          throw error;
-        }
+        await checkExchangeExists(probe, this.exchange, this.where);
       }
     } finally {
       await probe.close().catch(() => {});

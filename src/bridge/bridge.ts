@@ -8,6 +8,7 @@ import { DedupCache, newOwnerToken } from '../dedup/cache.js';
 import { connectRedis } from '../dedup/redis.js';
 import { type BridgeError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
+import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
 /** A running route: its connections and its pipeline. */
@@ -28,7 +29,18 @@ export interface Bridge {
  * Lost connections are re-opened with backoff for as long as the bridge runs; what the pipeline
  * holds meanwhile stays unacked. Anything left open by a failed start is closed again.
  */
-export async function startBridge(settings: BridgeSettings, log: Logger): Promise<Bridge> {
+export interface BridgeLimits {
+  /** Shared by a job's routes (migrate --max-messages). */
+  budget?: MessageBudget;
+  /** Called before each batch is published (migrate --max-rate). */
+  throttle?: (count: number) => Promise<void>;
+}
+
+export async function startBridge(
+  settings: BridgeSettings,
+  log: Logger,
+  limits: BridgeLimits = {},
+): Promise<Bridge> {
   const routeLog = log.child({ route: settings.sourceQueue });
   const sourceWhere = `source broker at ${redactUrl(settings.sourceUrl)}`;
   const targetWhere = `target broker at ${redactUrl(settings.targetUrl)}`;
@@ -98,7 +110,8 @@ export async function startBridge(settings: BridgeSettings, log: Logger): Promis
       onUnroutable: settings.onUnroutable,
       parkQueue: settings.parkQueue,
       requeueDelay: settings.requeueDelay,
-      maxMessages: settings.maxMessages,
+      budget: limits.budget ?? new MessageBudget(undefined),
+      throttle: limits.throttle,
     },
     source,
     target,

@@ -18,6 +18,8 @@ export interface RouteCounters {
   deadLettered: number;
   /** Returned to the source queue to be retried later. */
   requeued: number;
+  /** Given back to the source unforwarded because the bridge stopped (or a stop ran out of time). */
+  returned: number;
   /** Had no ID under any `--id-from` strategy. */
   noId: number;
   /** Had an ID header of a type that cannot be an ID (the next strategy decided). */
@@ -41,6 +43,7 @@ export function newCounters(): RouteCounters {
     parked: 0,
     deadLettered: 0,
     requeued: 0,
+    returned: 0,
     noId: 0,
     badIdHeader: 0,
     redelivered: 0,

@@ -7,6 +7,7 @@ import { type ClaimState, cacheKey, type DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import type { Logger } from '../observe/log.js';
 import { newCounters, type RouteCounters } from './counters.js';
+import type { MessageBudget } from './limits.js';
 
 export const IN_DOUBT_HEADER = 'x-dedup-in-doubt';
 
@@ -30,8 +31,10 @@ export interface RouteSettings {
   parkQueue: string | undefined;
   /** Backoff before a failed message is returned to the source queue. */
   requeueDelay: { initialMs: number; maxMs: number };
-  /** Stop taking messages after this many (migrate --max-messages); undefined: no limit. */
-  maxMessages: number | undefined;
+  /** Messages the route may still take (migrate --max-messages, shared by a job's routes). */
+  budget: MessageBudget;
+  /** Waits before publishing this many messages (migrate --max-rate). */
+  throttle: ((count: number) => Promise<void>) | undefined;
 }
 
 /** One source message on its way through claim → publish → commit → ack. */
@@ -124,8 +127,7 @@ export class Pipeline {
   }
 
   get limitReached(): boolean {
-    const max = this.settings.maxMessages;
-    return max !== undefined && this.counters.consumed >= max;
+    return this.settings.budget.exhausted;
   }
 
   /** Resolves when nothing is held (or at once if nothing is). */
@@ -164,9 +166,10 @@ export class Pipeline {
   }
 
   private receive(message: ConsumeMessage): void {
-    if (this.stopping || this.limitReached) {
+    if (this.stopping || !this.settings.budget.tryTake()) {
       // Delivered after we stopped or hit the limit: not ours to handle.
       this.source.nack(message, true);
+      if (this.limitReached) void this.source.stopConsuming();
       return;
     }
     this.held++;
@@ -288,6 +291,7 @@ export class Pipeline {
       );
     }
     if (toPublish.length === 0) return;
+    if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
     const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
     const confirmed: Entry[] = [];
@@ -331,6 +335,7 @@ export class Pipeline {
       // unacked for the source to give back.
       for (const entry of lost) {
         this.claimed.delete(entry);
+        this.counters.returned++;
         this.settle(entry, () => false);
       }
     }
@@ -447,6 +452,7 @@ export class Pipeline {
 
   /** Returns a message we have not claimed to the source (used when stopping). */
   private giveBack(entry: Entry): void {
+    this.counters.returned++;
     this.settle(entry, () => this.source.nack(entry.message, true));
   }
 

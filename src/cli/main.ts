@@ -2,13 +2,14 @@ import { readFileSync } from 'node:fs';
 import { access, constants } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
 import { Command, CommanderError } from 'commander';
-import { startBridge } from '../bridge/bridge.js';
-import { type RawOptions, resolveBridgeSettings, resolveMigrateSettings } from '../config/settings.js';
-import { BridgeError, ConfigError, ExitCode } from '../errors.js';
-import { migrate } from '../migrate/job.js';
-import { formatReport } from '../migrate/report.js';
+import { type Bridge, startBridge } from '../bridge/bridge.js';
+import { type MigrateRawOptions, resolveMigrateSettings } from '../config/migrate-settings.js';
+import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
+import { BridgeError, ConfigError, ExitCode, UnavailableError } from '../errors.js';
+import { formatJobReport } from '../migrate/report.js';
+import { runMigration, writeReport } from '../migrate/runner.js';
 import { createLogger } from '../observe/log.js';
-import { addBridgeOptions } from './options.js';
+import { addBridgeOptions, addMigrateOptions } from './options.js';
 import { onStopSignal } from './signals.js';
 
 /** Runs the CLI and returns the exit code; it prints at most one line per error on stderr. */
@@ -45,19 +46,14 @@ function buildProgram(): Command {
     exitCode = await runCommand(raw);
   });
 
-  addBridgeOptions(
-    program.command('migrate').description('forward until the source queue is drained, then exit'),
-    'migrate',
-  )
-    .option(
-      '--idle-timeout <duration>',
-      'drained = source empty and nothing in flight this long (default 2s)',
-    )
-    .option('--max-messages <n>', 'stop after n source messages handled (exit 4 if any are left)')
-    .option('--report <file>', 'write the counts as JSON to this file')
-    .action(async (raw: RawOptions) => {
-      exitCode = await migrateCommand(raw);
-    });
+  addMigrateOptions(
+    addBridgeOptions(
+      program.command('migrate').description('forward until the source queues are drained, then exit'),
+      'migrate',
+    ),
+  ).action(async (raw: MigrateRawOptions) => {
+    exitCode = await migrateCommand(raw);
+  });
   return program;
 }
 
@@ -66,7 +62,13 @@ async function runCommand(raw: RawOptions): Promise<number> {
   const log = createLogger(settings.logLevel);
   const signal = onStopSignal();
   const bridge = await startBridge(settings, log);
-  const first = await Promise.race([signal.first.then(() => 'signal' as const), bridge.failure]);
+  const outage = watchOutage(bridge, settings.retryForMs);
+  const first = await Promise.race([
+    signal.first.then(() => 'signal' as const),
+    bridge.failure,
+    outage.failed,
+  ]);
+  outage.stop();
   if (first === 'signal') {
     log.info({ timeoutMs: settings.shutdownTimeoutMs }, 'stopping: finishing in-flight messages');
     const unfinished = await bridge.stop(settings.shutdownTimeoutMs);
@@ -80,14 +82,34 @@ async function runCommand(raw: RawOptions): Promise<number> {
   throw first;
 }
 
-async function migrateCommand(raw: RawOptions): Promise<number> {
+/** With --retry-for, `run` gives up when a server stays unreachable that long (default: never). */
+function watchOutage(bridge: Bridge, retryForMs: number): { failed: Promise<BridgeError>; stop(): void } {
+  let timer: NodeJS.Timeout | undefined;
+  const failed = new Promise<BridgeError>((resolve) => {
+    if (retryForMs <= 0) return;
+    timer = setInterval(() => {
+      const outage = bridge.outage();
+      if (outage && outage.ms >= retryForMs) {
+        resolve(
+          new UnavailableError(
+            `${outage.what} unreachable for ${Math.round(outage.ms / 1000)}s (--retry-for); nothing unforwarded was acked`,
+          ),
+        );
+      }
+    }, 500);
+  });
+  return { failed, stop: () => clearInterval(timer) };
+}
+
+async function migrateCommand(raw: MigrateRawOptions): Promise<number> {
   const settings = resolveMigrateSettings(raw);
   if (settings.reportPath) await checkWritable(settings.reportPath);
-  const log = createLogger(settings.logLevel);
+  const log = createLogger((settings.routes[0] as BridgeSettings).logLevel);
   const signal = onStopSignal();
-  const result = await migrate(settings, log, signal.first);
-  process.stderr.write(formatReport(result.report));
-  if (result.problem) process.stderr.write(`dedup-bridge: ${result.problem}\n`);
+  const result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true);
+  if (settings.reportPath) await writeReport(settings.reportPath, result.report);
+  if (!settings.quiet) process.stderr.write(formatJobReport(result.report));
+  for (const problem of result.problems) process.stderr.write(`dedup-bridge: ${problem}\n`);
   return result.exitCode;
 }
 

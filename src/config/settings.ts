@@ -75,13 +75,6 @@ export interface BridgeSettings {
   retryForMs: number;
   shutdownTimeoutMs: number;
   logLevel: LogLevel;
-  /** Stop after this many source messages (migrate only). */
-  maxMessages: number | undefined;
-}
-
-export interface MigrateSettings extends BridgeSettings {
-  idleTimeoutMs: number;
-  reportPath: string | undefined;
 }
 
 /** Which flag (and variable) sets each field, for error messages. */
@@ -100,7 +93,6 @@ const FLAG: Record<string, string> = {
   onUnroutable: '--on-unroutable',
   parkQueue: '--park-queue',
   logLevel: '--log-level',
-  maxMessages: '--max-messages',
 };
 
 function urlWith(protocols: string[], example: string) {
@@ -163,7 +155,6 @@ const rawSchema = z
     logLevel: z.enum(LOG_LEVELS as [LogLevel, ...LogLevel[]], {
       error: `must be one of ${LOG_LEVELS.join(', ')}`,
     }),
-    maxMessages: count(1, Number.MAX_SAFE_INTEGER).optional(),
   })
   .superRefine((options, ctx) => {
     if (options.targetQueue === undefined && options.targetExchange === undefined) {
@@ -242,7 +233,6 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     onUnroutable,
     parkQueue: raw.parkQueue,
     logLevel: raw.logLevel ?? DEFAULTS.logLevel,
-    maxMessages: raw.maxMessages,
   });
   if (!parsed.success) throw firstIssue(parsed.error);
   const options = parsed.data;
@@ -291,14 +281,5 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     ),
     shutdownTimeoutMs: parseDuration(raw.shutdownTimeout ?? DEFAULTS.shutdownTimeout, '--shutdown-timeout'),
     logLevel: options.logLevel,
-    maxMessages: options.maxMessages,
-  };
-}
-
-export function resolveMigrateSettings(raw: RawOptions): MigrateSettings {
-  return {
-    ...resolveBridgeSettings(raw, 'migrate'),
-    idleTimeoutMs: parseDuration(raw.idleTimeout ?? DEFAULTS.idleTimeout, '--idle-timeout'),
-    reportPath: raw.report,
   };
 }

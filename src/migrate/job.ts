@@ -1,44 +1,69 @@
-import { writeFile } from 'node:fs/promises';
 import { sleep } from '../amqp/backoff.js';
-import { startBridge } from '../bridge/bridge.js';
-import type { MigrateSettings } from '../config/settings.js';
-import { type BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
+import { connectAmqp } from '../amqp/connect.js';
+import { replyCodeOf } from '../amqp/errors.js';
+import { type Bridge, startBridge } from '../bridge/bridge.js';
+import type { RouteCounters } from '../bridge/counters.js';
+import type { MessageBudget } from '../bridge/limits.js';
+import type { BridgeSettings } from '../config/settings.js';
+import type { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { buildReport, type MigrateOutcome, type MigrateReport } from './report.js';
+import { buildQueueReport, type QueueOutcome, type QueueReport } from './report.js';
 
 const POLL_MS = 100;
 
-export interface MigrateResult {
-  report: MigrateReport;
-  exitCode: number;
-  /** One line for stderr when the job did not finish cleanly. */
+/** Shared by the queues of one job: why the job as a whole stops early, if it does. */
+export interface JobControl {
+  stopReason: 'interrupted' | 'limit' | undefined;
+  budget: MessageBudget;
+  throttle: ((count: number) => Promise<void>) | undefined;
+  idleTimeoutMs: number;
+  deleteSourceWhenEmpty: boolean;
+  log: Logger;
+}
+
+/** What progress displays read while a queue migrates. */
+export interface QueueProgress {
+  sourceQueue: string;
+  counters: RouteCounters;
+  /** Ready messages last seen in the source queue. */
+  depth: number | undefined;
+  startedAt: number;
+  done: boolean;
+}
+
+export interface QueueResult {
+  report: QueueReport;
+  /** One line for stderr when the queue did not finish cleanly. */
   problem: string | undefined;
+  /** The exit code a failure asks for (2 for a configuration error found late, else 1). */
+  failureCode: number | undefined;
 }
 
 /**
- * Forwards until the source queue is drained: empty, nothing of ours in flight, and both for
- * `idleTimeoutMs`. Also ends on --max-messages, on a signal (`interrupt`), when only messages that
- * cannot be forwarded are left for `retryForMs`, or on a failure; never acks what is not forwarded.
+ * Migrates one queue: forwards until it is drained — the source reports it empty, nothing of ours
+ * is in flight, and both stay so for the idle timeout. Also ends when the job stops (a signal, a
+ * limit), when only messages that cannot be forwarded are left for --retry-for, when a server stays
+ * unreachable for --retry-for, or on a failure that retrying cannot fix. Never acks what is not
+ * forwarded.
  */
-export async function migrate(
-  settings: MigrateSettings,
-  log: Logger,
-  interrupt: Promise<unknown>,
-): Promise<MigrateResult> {
+export async function migrateQueue(
+  settings: BridgeSettings,
+  control: JobControl,
+  progress: QueueProgress,
+): Promise<QueueResult> {
   const started = Date.now();
-  const bridge = await startBridge(settings, log);
-  const { pipeline, source } = bridge;
-  let interrupted = false;
-  void interrupt.then(() => {
-    interrupted = true;
+  const bridge = await startBridge(settings, control.log, {
+    budget: control.budget,
+    throttle: control.throttle,
   });
+  const { pipeline, source } = bridge;
+  progress.counters = pipeline.counters;
   let failure: BridgeError | undefined;
-  let failureCode: number = ExitCode.runtime;
   void bridge.failure.then((error) => {
     failure = error;
   });
 
-  let outcome: MigrateOutcome | undefined;
+  let outcome: QueueOutcome | undefined;
   let problem: string | undefined;
   let idleSince: number | undefined;
   while (outcome === undefined) {
@@ -47,12 +72,11 @@ export async function migrate(
     if (failure) {
       outcome = 'failed';
       problem = failure.message;
-      failureCode = failure.exitCode;
     } else if (outage && settings.retryForMs > 0 && outage.ms >= settings.retryForMs) {
       outcome = 'failed';
       problem = `${outage.what} unreachable for ${Math.round(outage.ms / 1000)}s (--retry-for); nothing unforwarded was acked: run again when it is back`;
-    } else if (interrupted) {
-      outcome = 'interrupted';
+    } else if (control.stopReason) {
+      outcome = control.stopReason;
     } else if (pipeline.limitReached && pipeline.heldCount === 0) {
       outcome = 'limit';
     } else if (
@@ -62,56 +86,78 @@ export async function migrate(
     ) {
       outcome = 'stalled';
       problem =
-        `${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
+        `${settings.sourceQueue}: ${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
         `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID); ` +
         'they stay in the source queue: fix the target binding, or use --park-queue or --on-unroutable dead-letter';
     } else {
       const depth = pipeline.heldCount === 0 ? await source.depth() : undefined;
+      if (depth !== undefined) progress.depth = depth;
       if (depth === 0 && pipeline.heldCount === 0) {
         idleSince ??= Date.now();
-        if (Date.now() - idleSince >= settings.idleTimeoutMs) outcome = 'drained';
+        if (Date.now() - idleSince >= control.idleTimeoutMs) outcome = 'drained';
       } else {
         idleSince = undefined;
       }
     }
   }
 
-  const unfinished = await bridge.stop(outcome === 'failed' ? 0 : settings.shutdownTimeoutMs);
-  if (unfinished > 0)
-    log.warn({ unfinished }, 'stopped with messages still unconfirmed; they stay in the source');
+  const unfinished = await bridge.stop(outcome === 'failed' ? 0 : shutdownTimeout(settings));
+  if (unfinished > 0) {
+    control.log.warn(
+      { queue: settings.sourceQueue, unfinished },
+      'stopped with messages unconfirmed; they stay in the source',
+    );
+  }
   await source.closeConsumer();
   const remaining = await source.depth();
-  await bridge.close();
-  const report = buildReport(
-    outcome,
-    settings.sourceQueue,
-    settings.scope,
-    pipeline.counters,
-    remaining,
-    Date.now() - started,
-    pipeline.counters.consumed > 0 ? pipeline.lastProgress - started : Date.now() - started,
-  );
-  if (settings.reportPath) await writeReport(settings.reportPath, report);
-  return { report, exitCode: outcome === 'failed' ? failureCode : exitCodeOf(outcome, report), problem };
-}
-
-function exitCodeOf(outcome: MigrateOutcome, report: MigrateReport): number {
-  switch (outcome) {
-    case 'drained':
-      return ExitCode.ok;
-    case 'limit':
-    case 'interrupted':
-      return report.remaining === 0 ? ExitCode.ok : ExitCode.limit;
-    default:
-      return ExitCode.runtime;
+  progress.depth = remaining;
+  await closeQuietly(bridge);
+  let deleted = false;
+  if (outcome === 'drained' && control.deleteSourceWhenEmpty) {
+    deleted = await deleteIfEmpty(settings, control.log);
   }
+  progress.done = true;
+  const report = buildQueueReport({
+    outcome,
+    settings,
+    counters: pipeline.counters,
+    remaining,
+    deleted,
+    elapsedMs: Date.now() - started,
+    activeMs: pipeline.counters.consumed > 0 ? pipeline.lastProgress - started : Date.now() - started,
+  });
+  return { report, problem, failureCode: outcome === 'failed' ? (failure?.exitCode ?? 1) : undefined };
 }
 
-async function writeReport(path: string, report: MigrateReport): Promise<void> {
+function shutdownTimeout(settings: BridgeSettings): number {
+  return settings.shutdownTimeoutMs;
+}
+
+async function closeQuietly(bridge: Bridge): Promise<void> {
+  await bridge.close().catch(() => {});
+}
+
+/**
+ * Deletes the drained source queue, only if it is still empty (`if-empty`: RabbitMQ refuses with
+ * PRECONDITION_FAILED when a producer added a message meanwhile). Returns whether it was deleted.
+ */
+async function deleteIfEmpty(settings: BridgeSettings, log: Logger): Promise<boolean> {
+  const connection = await connectAmqp(settings.sourceUrl, {
+    side: 'source',
+    retryForMs: settings.retryForMs || 30_000,
+    log,
+  });
   try {
-    await writeFile(path, `${JSON.stringify(report, null, 2)}\n`);
+    const channel = await connection.createChannel();
+    channel.on('error', () => {});
+    await channel.deleteQueue(settings.sourceQueue, { ifEmpty: true });
+    log.info({ queue: settings.sourceQueue }, 'source queue drained and deleted');
+    return true;
   } catch (error) {
-    const reason = (error as NodeJS.ErrnoException).code ?? String(error);
-    throw new RuntimeFailure(`--report: cannot write "${path}" (${reason}); the migration itself finished`);
+    const reason = replyCodeOf(error) === 406 ? 'it is no longer empty' : String((error as Error).message);
+    log.warn({ queue: settings.sourceQueue, reason }, 'source queue not deleted');
+    return false;
+  } finally {
+    await connection.close().catch(() => {});
   }
 }

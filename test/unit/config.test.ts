@@ -1,12 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { formatDuration, parseDuration } from '../../src/config/duration.js';
+import { resolveMigrateSettings } from '../../src/config/migrate-settings.js';
 import { redactUrl } from '../../src/config/redact.js';
-import {
-  DEFAULTS,
-  type RawOptions,
-  resolveBridgeSettings,
-  resolveMigrateSettings,
-} from '../../src/config/settings.js';
+import { DEFAULTS, type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
 import { ConfigError } from '../../src/errors.js';
 
 const SECRET = 'hunter2-Sup3rSecret';
@@ -181,7 +177,6 @@ describe('resolveBridgeSettings: defaults', () => {
     expect(settings.logLevel).toBe('info');
     expect(settings.retryForMs).toBe(0);
     expect(settings.shutdownTimeoutMs).toBe(30_000);
-    expect(settings.maxMessages).toBeUndefined();
     expect(settings.requeueDelay).toEqual({ initialMs: 1000, maxMs: 30_000 });
     expect(settings.idFrom).toEqual([
       { kind: 'header', name: '_HQ_DUPL_ID' },
@@ -240,7 +235,6 @@ describe('resolveBridgeSettings: defaults', () => {
       logLevel: 'debug',
       retryFor: '5m',
       shutdownTimeout: '500ms',
-      maxMessages: '1000',
     });
     expect(settings.prefetch).toBe(10);
     expect(settings.batchSize).toBe(50);
@@ -252,7 +246,6 @@ describe('resolveBridgeSettings: defaults', () => {
     expect(settings.logLevel).toBe('debug');
     expect(settings.retryForMs).toBe(300_000);
     expect(settings.shutdownTimeoutMs).toBe(500);
-    expect(settings.maxMessages).toBe(1000);
   });
 
   it('accepts amqps and the bounds of --prefetch', () => {
@@ -274,44 +267,91 @@ describe('resolveBridgeSettings: defaults', () => {
   });
 });
 
+const MIGRATE = { ...VALID, sourceQueue: ['orders'] };
+
 describe('resolveMigrateSettings', () => {
   it('adds the migrate defaults', () => {
-    const settings = resolveMigrateSettings({ ...VALID });
+    const settings = resolveMigrateSettings({ ...MIGRATE });
+    const route = settings.routes[0];
     expect(settings.idleTimeoutMs).toBe(2000);
     expect(settings.reportPath).toBeUndefined();
-    expect(settings.retryForMs).toBe(60_000);
-    expect(settings.prefetch).toBe(500);
-    expect(settings.dedupWindowMs).toBe(604_800_000);
-    expect(settings.scope).toBe('queue:orders-copy');
+    expect(settings.parallel).toBe(4);
+    expect(settings.jobName).toMatch(/^migrate-[0-9a-f]{12}$/);
+    expect(route?.retryForMs).toBe(60_000);
+    expect(route?.prefetch).toBe(500);
+    expect(route?.dedupWindowMs).toBe(604_800_000);
+    expect(route?.scope).toBe('queue:orders-copy');
   });
 
   it('parses its own options', () => {
     const settings = resolveMigrateSettings({
-      ...VALID,
+      ...MIGRATE,
       idleTimeout: '10s',
       report: '/tmp/report.json',
       retryFor: '0',
       maxMessages: '5',
+      maxDuration: '1h',
+      maxRate: '200',
+      parallel: '2',
     });
     expect(settings.idleTimeoutMs).toBe(10_000);
     expect(settings.reportPath).toBe('/tmp/report.json');
-    expect(settings.retryForMs).toBe(0);
+    expect(settings.routes[0]?.retryForMs).toBe(0);
     expect(settings.maxMessages).toBe(5);
+    expect(settings.maxDurationMs).toBe(3_600_000);
+    expect(settings.maxRate).toBe(200);
+    expect(settings.parallel).toBe(2);
+  });
+
+  it('sends several queues each to the queue of its own name, unless mapped', () => {
+    const settings = resolveMigrateSettings({
+      ...MIGRATE,
+      targetQueue: undefined,
+      sourceQueue: ['a', 'b', 'c'],
+      map: ['b=b-new'],
+    });
+    expect(settings.routes.map((route) => [route.sourceQueue, route.targetQueue, route.scope])).toEqual([
+      ['a', 'a', 'queue:a'],
+      ['b', 'b-new', 'queue:b-new'],
+      ['c', 'c', 'queue:c'],
+    ]);
+  });
+
+  it('the same routes give the same job name; other routes another', () => {
+    const one = resolveMigrateSettings({ ...MIGRATE, targetQueue: undefined, sourceQueue: ['a', 'b'] });
+    const again = resolveMigrateSettings({ ...MIGRATE, targetQueue: undefined, sourceQueue: ['b', 'a'] });
+    const other = resolveMigrateSettings({ ...MIGRATE, targetQueue: undefined, sourceQueue: ['a'] });
+    expect(again.jobName).toBe(one.jobName);
+    expect(other.jobName).not.toBe(one.jobName);
+  });
+
+  it.each([
+    [{ sourceQueue: ['a', 'b'] }, /^--target-queue: names the target of a single source queue/],
+    [{ sourceQueue: ['a', 'a'], targetQueue: undefined }, /^--source-queue: "a" is listed twice/],
+    [{ map: ['x=y'] }, /^--map: "x" is not one of the source queues/],
+    [{ map: ['nonsense'] }, /^--map: "nonsense" is not source=target/],
+    [{ sourceQueue: [] }, /^--source-queue \(or DEDUP_BRIDGE_SOURCE_QUEUE\): is required/],
+    [{ declareTarget: true }, /^--declare-target: needs --source-management/],
+    [{ maxMessages: '0' }, /^--max-messages: /],
+    [{ maxMessages: 'many' }, /^--max-messages: /],
+    [{ parallel: '0' }, /^--parallel: /],
+    [{ maxDuration: 'soon' }, /^--max-duration: /],
+  ])('rejects %j', (overrides, pattern) => {
+    expect(configError(() => resolveMigrateSettings({ ...MIGRATE, ...overrides })).message).toMatch(pattern);
   });
 
   it('scopes an exchange target to the exchange', () => {
-    expect(resolveMigrateSettings({ ...VALID, targetQueue: undefined, targetExchange: 'ex' }).scope).toBe(
-      'exchange:ex',
-    );
+    const settings = resolveMigrateSettings({ ...MIGRATE, targetQueue: undefined, targetExchange: 'ex' });
+    expect(settings.routes[0]?.scope).toBe('exchange:ex');
   });
 
   it('rejects a bad --idle-timeout naming the flag', () => {
-    const error = configError(() => resolveMigrateSettings({ ...VALID, idleTimeout: 'forever' }));
+    const error = configError(() => resolveMigrateSettings({ ...MIGRATE, idleTimeout: 'forever' }));
     expect(error.message).toMatch(/^--idle-timeout: /);
   });
 
   it('applies the same validation as run', () => {
-    const error = configError(() => resolveMigrateSettings({ ...VALID, source: undefined }));
+    const error = configError(() => resolveMigrateSettings({ ...MIGRATE, source: undefined }));
     expect(error.message).toMatch(/^--source\b.*: is required$/);
   });
 });
@@ -382,10 +422,6 @@ describe('resolveBridgeSettings: validation', () => {
 
   it.each([['0'], ['5001'], ['x']])('rejects --batch-size %j', (value) => {
     expect(resolveError({ batchSize: value })).toMatch(/^--batch-size: /);
-  });
-
-  it.each([['0'], ['many']])('rejects --max-messages %j', (value) => {
-    expect(resolveError({ maxMessages: value })).toMatch(/^--max-messages: /);
   });
 
   it.each([

@@ -1,0 +1,226 @@
+import { createHash } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import { parse as parseYaml } from 'yaml';
+import { z } from 'zod';
+import { ConfigError } from '../errors.js';
+import { parseDuration } from './duration.js';
+import { type BridgeSettings, DEFAULTS, type RawOptions, resolveBridgeSettings } from './settings.js';
+
+/** What `migrate` collects: the bridge options, with repeatable queues and the job's own options. */
+export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
+  sourceQueue?: string[];
+  map?: string[];
+  jobFile?: string;
+  jobName?: string;
+  parallel?: string;
+  deleteSourceWhenEmpty?: boolean;
+  declareTarget?: boolean;
+  sourceManagement?: string;
+  maxDuration?: string;
+  maxRate?: string;
+  dryRun?: boolean;
+  progressInterval?: string;
+  quiet?: boolean;
+}
+
+export interface MigrateSettings {
+  /** One route per source queue, each with its target queue and dedup scope. */
+  routes: BridgeSettings[];
+  jobName: string;
+  parallel: number;
+  idleTimeoutMs: number;
+  maxMessages: number | undefined;
+  maxDurationMs: number | undefined;
+  maxRate: number | undefined;
+  dryRun: boolean;
+  deleteSourceWhenEmpty: boolean;
+  declareTarget: boolean;
+  sourceManagementUrl: string | undefined;
+  reportPath: string | undefined;
+  progressIntervalMs: number;
+  quiet: boolean;
+}
+
+export const MIGRATE_DEFAULTS = {
+  parallel: 4,
+  progressInterval: '10s',
+  jobLockLease: '30s',
+};
+
+const queueName = z.string().min(1, 'must not be empty');
+const jobFileSchema = z
+  .object({
+    source: z.string().optional(),
+    target: z.string().optional(),
+    redis: z.string().optional(),
+    queues: z
+      .array(
+        z.union([queueName, z.object({ source: queueName, target: queueName.optional() }).strict()], {
+          error: 'each queue is a name, or { source: name, target: name }',
+        }),
+      )
+      .min(1, 'list at least one queue'),
+  })
+  .strict();
+
+type JobFile = z.infer<typeof jobFileSchema>;
+
+function readJobFile(path: string): JobFile {
+  let text: string;
+  try {
+    text = readFileSync(path, 'utf8');
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code ?? 'unreadable';
+    throw new ConfigError(`--job-file: cannot read "${path}" (${code})`);
+  }
+  let data: unknown;
+  try {
+    data = parseYaml(text);
+  } catch (error) {
+    throw new ConfigError(
+      `--job-file: "${path}" is not valid YAML: ${(error as Error).message.split('\n')[0]}`,
+    );
+  }
+  const parsed = jobFileSchema.safeParse(data);
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0];
+    const where = (issue?.path ?? [])
+      .map((part) => (typeof part === 'number' ? `[${part}]` : `.${String(part)}`))
+      .join('')
+      .replace(/^\./, '');
+    const message =
+      issue?.code === 'unrecognized_keys' ? `unknown key(s) ${issue.keys.join(', ')}` : issue?.message;
+    throw new ConfigError(`--job-file ${path}: ${where || 'top level'}: ${message}`);
+  }
+  return parsed.data;
+}
+
+function wholeNumber(text: string, flag: string, min: number): number {
+  if (!/^\d+$/.test(text) || Number(text) < min) {
+    throw new ConfigError(`${flag}: "${text}" must be a whole number of at least ${min}`);
+  }
+  return Number(text);
+}
+
+/** Validates migrate's options: flags over the job file, one route per source queue. */
+export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings {
+  const file = raw.jobFile ? readJobFile(raw.jobFile) : undefined;
+  const mapped = new Map<string, string>();
+  const queues: string[] = [];
+  for (const item of file?.queues ?? []) {
+    const source = typeof item === 'string' ? item : item.source;
+    queues.push(source);
+    if (typeof item !== 'string' && item.target) mapped.set(source, item.target);
+  }
+  for (const queue of raw.sourceQueue ?? []) queues.push(queue);
+  for (const pair of raw.map ?? []) {
+    const match = /^([^=]+)=([^=]+)$/.exec(pair);
+    if (!match) throw new ConfigError(`--map: "${pair}" is not source=target`);
+    mapped.set(match[1] as string, match[2] as string);
+  }
+  if (queues.length === 0) {
+    throw new ConfigError(
+      '--source-queue (or DEDUP_BRIDGE_SOURCE_QUEUE): is required; repeat it for several queues, or list them in --job-file',
+    );
+  }
+  const seen = new Set<string>();
+  for (const queue of queues) {
+    if (seen.has(queue)) throw new ConfigError(`--source-queue: "${queue}" is listed twice`);
+    seen.add(queue);
+  }
+  for (const source of mapped.keys()) {
+    if (!seen.has(source)) throw new ConfigError(`--map: "${source}" is not one of the source queues`);
+  }
+  if (queues.length > 1 && raw.targetQueue !== undefined) {
+    throw new ConfigError(
+      '--target-queue: names the target of a single source queue; with several, each goes to the queue of its own name, or use --map source=target',
+    );
+  }
+
+  const base: RawOptions = {
+    ...raw,
+    source: raw.source ?? file?.source,
+    target: raw.target ?? file?.target,
+    redis: raw.redis ?? file?.redis,
+    sourceQueue: undefined,
+  };
+  const routes = queues.map((queue) =>
+    resolveBridgeSettings(
+      {
+        ...base,
+        sourceQueue: queue,
+        targetQueue:
+          raw.targetExchange !== undefined ? undefined : (raw.targetQueue ?? mapped.get(queue) ?? queue),
+      },
+      'migrate',
+    ),
+  );
+  const targets = new Set<string>();
+  for (const route of routes) {
+    if (route.targetQueue !== undefined && targets.has(route.targetQueue)) {
+      throw new ConfigError(
+        `--map: two source queues go to target queue "${route.targetQueue}"; give each its own`,
+      );
+    }
+    if (route.targetQueue !== undefined) targets.add(route.targetQueue);
+  }
+  if (raw.declareTarget && raw.targetExchange !== undefined) {
+    throw new ConfigError('--declare-target: declares target queues; it does not go with --target-exchange');
+  }
+  if (raw.declareTarget && !raw.sourceManagement) {
+    throw new ConfigError(
+      '--declare-target: needs --source-management <url> (the source broker management API, e.g. http://user:password@host:15672)',
+    );
+  }
+  if (raw.sourceManagement) {
+    let url: URL | undefined;
+    try {
+      url = new URL(raw.sourceManagement);
+    } catch {
+      url = undefined;
+    }
+    if (!url || !['http:', 'https:'].includes(url.protocol)) {
+      throw new ConfigError(
+        '--source-management: must be an http(s) URL, e.g. http://user:password@host:15672',
+      );
+    }
+  }
+
+  const first = routes[0] as BridgeSettings;
+  return {
+    routes,
+    jobName: raw.jobName ?? defaultJobName(first, routes),
+    parallel:
+      raw.parallel === undefined ? MIGRATE_DEFAULTS.parallel : wholeNumber(raw.parallel, '--parallel', 1),
+    idleTimeoutMs: parseDuration(raw.idleTimeout ?? DEFAULTS.idleTimeout, '--idle-timeout'),
+    maxMessages:
+      raw.maxMessages === undefined ? undefined : wholeNumber(raw.maxMessages, '--max-messages', 1),
+    maxDurationMs:
+      raw.maxDuration === undefined ? undefined : parseDuration(raw.maxDuration, '--max-duration'),
+    maxRate: raw.maxRate === undefined ? undefined : wholeNumber(raw.maxRate, '--max-rate', 1),
+    dryRun: raw.dryRun === true,
+    deleteSourceWhenEmpty: raw.deleteSourceWhenEmpty === true,
+    declareTarget: raw.declareTarget === true,
+    sourceManagementUrl: raw.sourceManagement,
+    reportPath: raw.report,
+    progressIntervalMs: parseDuration(
+      raw.progressInterval ?? MIGRATE_DEFAULTS.progressInterval,
+      '--progress-interval',
+    ),
+    quiet: raw.quiet === true,
+  };
+}
+
+/** A job is its brokers and routes: the same migration started again gets the same name (and lock). */
+function defaultJobName(first: BridgeSettings, routes: BridgeSettings[]): string {
+  const where = (url: string) => {
+    const parsed = new URL(url);
+    return `${parsed.hostname}:${parsed.port}${parsed.pathname}`;
+  };
+  const description = JSON.stringify({
+    source: where(first.sourceUrl),
+    target: where(first.targetUrl),
+    routes: routes.map((route) => `${route.sourceQueue}>${route.scope}`).sort(),
+  });
+  return `migrate-${createHash('sha256').update(description).digest('hex').slice(0, 12)}`;
+}

@@ -1,0 +1,96 @@
+import type { ConsumeMessage } from 'amqplib';
+import type { Redis } from 'ioredis';
+import { connectAmqp } from '../amqp/connect.js';
+import { checkQueueExists } from '../amqp/source.js';
+import { newCounters } from '../bridge/counters.js';
+import { redactUrl } from '../config/redact.js';
+import type { BridgeSettings } from '../config/settings.js';
+import { cacheKey } from '../dedup/cache.js';
+import { deriveId } from '../dedup/id.js';
+import type { Logger } from '../observe/log.js';
+import { buildQueueReport, type QueueReport } from './report.js';
+
+/**
+ * Reads each message of a source queue (up to `limit`), decides forward or duplicate against the
+ * cache without claiming anything, and gives every message back by closing the channel: nothing is
+ * published, acked or claimed. Holds the messages it read until then, so `limit` bounds memory.
+ */
+export async function dryRunQueue(
+  settings: BridgeSettings,
+  redis: Redis,
+  limit: number | undefined,
+  log: Logger,
+): Promise<QueueReport> {
+  const started = Date.now();
+  const counters = newCounters();
+  const where = `source broker at ${redactUrl(settings.sourceUrl)}`;
+  const connection = await connectAmqp(settings.sourceUrl, {
+    side: 'source',
+    retryForMs: settings.retryForMs,
+    log,
+  });
+  try {
+    const channel = await connection.createChannel();
+    channel.on('error', () => {});
+    await checkQueueExists(channel, settings.sourceQueue, where, '--source-queue');
+    const { messageCount } = await channel.checkQueue(settings.sourceQueue);
+    const wanted = Math.min(messageCount, limit ?? messageCount);
+    const messages: ConsumeMessage[] = [];
+    if (wanted > 0) {
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, 30_000);
+        void channel.consume(
+          settings.sourceQueue,
+          (message) => {
+            if (message) messages.push(message);
+            if (messages.length >= wanted) {
+              clearTimeout(timer);
+              resolve();
+            }
+          },
+          { noAck: false },
+        );
+      });
+    }
+    const seen = new Set<string>();
+    const keys: (string | undefined)[] = messages.map((message) => {
+      const { id, rejected } = deriveId(
+        {
+          content: message.content,
+          exchange: message.fields.exchange,
+          routingKey: message.fields.routingKey,
+          messageId: message.properties.messageId,
+          headers: message.properties.headers ?? undefined,
+        },
+        settings.idFrom,
+      );
+      if (rejected.length > 0) counters.badIdHeader++;
+      return id ? cacheKey(settings.redisPrefix, settings.scope, id.key) : undefined;
+    });
+    const known =
+      keys.length > 0 ? await redis.mget(...keys.map((key) => key ?? `${settings.redisPrefix}:none`)) : [];
+    keys.forEach((key, index) => {
+      counters.consumed++;
+      if (key === undefined) counters.noId++;
+      else if (known[index] === 'd' || seen.has(key)) counters.duplicates++;
+      else counters.forwarded++;
+      if (key !== undefined) seen.add(key);
+    });
+    // Closing the channel gives every message back to the queue, in its order.
+    await channel.close();
+    const report = buildQueueReport({
+      outcome: 'dry-run',
+      settings,
+      counters,
+      remaining: messageCount,
+      deleted: false,
+      elapsedMs: Date.now() - started,
+      activeMs: Date.now() - started,
+    });
+    // Here "forwarded" means "would be forwarded"; every message read was given back.
+    report.accounted = counters.consumed === counters.forwarded + counters.duplicates + counters.noId;
+    return report;
+  } finally {
+    await connection.close().catch(() => {});
+  }
+}

@@ -1,0 +1,101 @@
+import { readFileSync } from 'node:fs';
+import { hostname } from 'node:os';
+import type { Redis } from 'ioredis';
+import { BridgeError, ExitCode } from '../errors.js';
+import type { Logger } from '../observe/log.js';
+
+/** Another run of the same job holds the lock: exit 3. */
+export class JobLockedError extends BridgeError {
+  constructor(message: string) {
+    super(message, ExitCode.locked);
+  }
+}
+
+interface Holder {
+  owner: string;
+  host: string;
+  pid: number;
+  since: string;
+}
+
+type Script = (key: string, value: string, ...args: (string | number)[]) => Promise<number>;
+
+function script(redis: Redis, name: string): Script {
+  const command = `dedupBridge_${name.replace('-', '_')}`;
+  if (!(command in redis)) {
+    const lua = readFileSync(new URL(`../dedup/lua/${name}.lua`, import.meta.url), 'utf8');
+    redis.defineCommand(command, { lua, numberOfKeys: 1 });
+  }
+  const call = (redis as unknown as Record<string, Script>)[command] as Script;
+  return call.bind(redis);
+}
+
+/**
+ * One run of a job at a time: a Redis key with a lease, renewed while the job runs. A run that
+ * crashed leaves a lock that expires after the lease, and the next run takes over.
+ */
+export class JobLock {
+  private timer: NodeJS.Timeout | undefined;
+  private lost = false;
+
+  private constructor(
+    private readonly redis: Redis,
+    private readonly key: string,
+    private readonly value: string,
+    private readonly leaseMs: number,
+    private readonly log: Logger,
+  ) {}
+
+  static async acquire(
+    redis: Redis,
+    prefix: string,
+    job: string,
+    owner: string,
+    leaseMs: number,
+    log: Logger,
+  ): Promise<JobLock> {
+    const key = `${prefix}:job:${job}`;
+    const holder: Holder = { owner, host: hostname(), pid: process.pid, since: new Date().toISOString() };
+    const value = JSON.stringify(holder);
+    const taken = await redis.set(key, value, 'PX', leaseMs, 'NX');
+    if (taken !== 'OK') {
+      const current = await redis.get(key);
+      throw new JobLockedError(
+        `job "${job}" is already running (${describeHolder(current)}); this run exits without touching anything`,
+      );
+    }
+    const lock = new JobLock(redis, key, value, leaseMs, log);
+    lock.timer = setInterval(() => void lock.renew(), Math.max(250, Math.floor(leaseMs / 3)));
+    return lock;
+  }
+
+  private async renew(): Promise<void> {
+    try {
+      const renewed = await script(this.redis, 'lock-renew')(this.key, this.value, this.leaseMs);
+      if (renewed === 0 && !this.lost) {
+        this.lost = true;
+        this.log.error(
+          { key: this.key },
+          'job lock lost (expired while Redis was unreachable?); another run may start',
+        );
+      }
+    } catch (error) {
+      this.log.warn({ error: (error as Error).message }, 'job lock renewal failed; retrying');
+    }
+  }
+
+  async release(): Promise<void> {
+    clearInterval(this.timer);
+    await script(this.redis, 'lock-release')(this.key, this.value).catch(() => 0);
+  }
+}
+
+function describeHolder(value: string | null): string {
+  if (!value) return 'the lock was released a moment ago; try again';
+  try {
+    const holder = JSON.parse(value) as Holder;
+    return `held by ${holder.host} pid ${holder.pid} since ${holder.since}`;
+  } catch {
+    return 'held by another run';
+  }
+}

@@ -1,0 +1,212 @@
+import { writeFile } from 'node:fs/promises';
+import { connectAmqp } from '../amqp/connect.js';
+import { checkExchangeExists, checkQueueExists } from '../amqp/source.js';
+import { newCounters } from '../bridge/counters.js';
+import { MessageBudget, TokenBucket } from '../bridge/limits.js';
+import { parseDuration } from '../config/duration.js';
+import { MIGRATE_DEFAULTS, type MigrateSettings } from '../config/migrate-settings.js';
+import { redactUrl } from '../config/redact.js';
+import type { BridgeSettings } from '../config/settings.js';
+import { newOwnerToken } from '../dedup/cache.js';
+import { connectRedis } from '../dedup/redis.js';
+import { BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
+import type { Logger } from '../observe/log.js';
+import { dryRunQueue } from './dry-run.js';
+import { type JobControl, migrateQueue, type QueueProgress, type QueueResult } from './job.js';
+import { JobLock } from './lock.js';
+import { showProgress } from './progress.js';
+import { buildJobReport, buildQueueReport, type JobReport, type QueueReport } from './report.js';
+import { declareTargetQueues } from './topology.js';
+
+export interface JobResult {
+  report: JobReport;
+  exitCode: number;
+  /** Lines for stderr, one per queue that did not finish cleanly. */
+  problems: string[];
+}
+
+/**
+ * The scheduled migration job: takes the job lock, checks (or declares) the topology before
+ * anything moves, migrates up to --parallel queues at once under the job's limits, and reports.
+ */
+export async function runMigration(
+  settings: MigrateSettings,
+  log: Logger,
+  interrupt: Promise<unknown>,
+  terminal: boolean,
+): Promise<JobResult> {
+  const started = Date.now();
+  const first = settings.routes[0] as BridgeSettings;
+  const redis = await connectRedis(first.redisUrl, first.retryForMs, log);
+  let lock: JobLock | undefined;
+  try {
+    lock = await JobLock.acquire(
+      redis,
+      first.redisPrefix,
+      settings.jobName,
+      newOwnerToken(),
+      parseDuration(MIGRATE_DEFAULTS.jobLockLease, 'job lock lease'),
+      log,
+    );
+    if (settings.declareTarget) {
+      await declareTargetQueues(settings.routes, settings.sourceManagementUrl as string, log);
+    }
+    await checkTopology(settings.routes, log);
+
+    if (settings.dryRun) {
+      const queues: QueueReport[] = [];
+      for (const route of settings.routes)
+        queues.push(await dryRunQueue(route, redis, settings.maxMessages, log));
+      return {
+        report: buildJobReport(settings.jobName, true, queues, Date.now() - started),
+        exitCode: ExitCode.ok,
+        problems: [],
+      };
+    }
+
+    const control: JobControl = {
+      stopReason: undefined,
+      budget: new MessageBudget(settings.maxMessages),
+      throttle: settings.maxRate ? bucketOf(settings.maxRate) : undefined,
+      idleTimeoutMs: settings.idleTimeoutMs,
+      deleteSourceWhenEmpty: settings.deleteSourceWhenEmpty,
+      log,
+    };
+    void interrupt.then(() => {
+      control.stopReason ??= 'interrupted';
+    });
+    const deadline =
+      settings.maxDurationMs === undefined
+        ? undefined
+        : setTimeout(() => {
+            control.stopReason ??= 'limit';
+          }, settings.maxDurationMs);
+
+    const progress: QueueProgress[] = settings.routes.map((route) => ({
+      sourceQueue: route.sourceQueue,
+      counters: newCounters(),
+      depth: undefined,
+      startedAt: 0,
+      done: false,
+    }));
+    const display = showProgress(progress, {
+      terminal,
+      quiet: settings.quiet,
+      intervalMs: settings.progressIntervalMs,
+      log,
+    });
+    let results: QueueResult[];
+    try {
+      results = await inParallel(settings.routes, settings.parallel, async (route, index) => {
+        const item = progress[index] as QueueProgress;
+        item.startedAt = Date.now();
+        try {
+          return await migrateQueue(route, control, item);
+        } catch (error) {
+          // This queue could not start (e.g. a server unreachable for --retry-for); the others go on.
+          item.done = true;
+          return failedToStart(route, error, Date.now() - item.startedAt);
+        }
+      });
+    } finally {
+      display.stop();
+      clearTimeout(deadline);
+    }
+    const report = buildJobReport(
+      settings.jobName,
+      false,
+      results.map((result) => result.report),
+      Date.now() - started,
+    );
+    return {
+      report,
+      exitCode: exitCodeOf(results),
+      problems: results.flatMap((result) => (result.problem ? [result.problem] : [])),
+    };
+  } finally {
+    await lock?.release();
+    redis.disconnect();
+  }
+}
+
+function failedToStart(route: BridgeSettings, error: unknown, elapsedMs: number): QueueResult {
+  const report = buildQueueReport({
+    outcome: 'failed',
+    settings: route,
+    counters: newCounters(),
+    remaining: undefined,
+    deleted: false,
+    elapsedMs,
+    activeMs: elapsedMs,
+  });
+  const message = error instanceof Error ? error.message : String(error);
+  return {
+    report,
+    problem: `${route.sourceQueue}: ${message}`,
+    failureCode: error instanceof BridgeError ? error.exitCode : ExitCode.runtime,
+  };
+}
+
+function bucketOf(rate: number): (count: number) => Promise<void> {
+  const bucket = new TokenBucket(rate);
+  return (count) => bucket.take(count);
+}
+
+/** A missing source or target queue is an error before anything moves, for every route. */
+async function checkTopology(routes: BridgeSettings[], log: Logger): Promise<void> {
+  const first = routes[0] as BridgeSettings;
+  for (const side of ['source', 'target'] as const) {
+    const url = side === 'source' ? first.sourceUrl : first.targetUrl;
+    const connection = await connectAmqp(url, { side, retryForMs: first.retryForMs, log });
+    try {
+      const where = `${side} broker at ${redactUrl(url)}`;
+      for (const route of routes) {
+        const queue = side === 'source' ? route.sourceQueue : route.targetQueue;
+        const channel = await connection.createChannel();
+        channel.on('error', () => {});
+        if (queue !== undefined) await checkQueueExists(channel, queue, where, `--${side}-queue`);
+        else if (route.targetExchange !== '') await checkExchangeExists(channel, route.targetExchange, where);
+        await channel.close().catch(() => {});
+      }
+    } finally {
+      await connection.close().catch(() => {});
+    }
+  }
+}
+
+/** Runs `work` over the items with at most `limit` at a time, keeping the results in order. */
+async function inParallel<T, R>(
+  items: T[],
+  limit: number,
+  work: (item: T, index: number) => Promise<R>,
+): Promise<R[]> {
+  const results: R[] = new Array(items.length);
+  let next = 0;
+  const worker = async () => {
+    while (next < items.length) {
+      const index = next++;
+      results[index] = await work(items[index] as T, index);
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(limit, items.length) }, worker));
+  return results;
+}
+
+function exitCodeOf(results: QueueResult[]): number {
+  const failed = results.find((result) => result.failureCode !== undefined);
+  if (failed) return failed.failureCode as number;
+  if (results.some((result) => result.report.outcome === 'stalled')) return ExitCode.runtime;
+  const left = results.some((result) => result.report.remaining !== 0);
+  if (results.some((result) => ['limit', 'interrupted'].includes(result.report.outcome)) && left)
+    return ExitCode.limit;
+  return ExitCode.ok;
+}
+
+export async function writeReport(path: string, report: JobReport): Promise<void> {
+  try {
+    await writeFile(path, `${JSON.stringify(report, null, 2)}\n`);
+  } catch (error) {
+    const reason = (error as NodeJS.ErrnoException).code ?? String(error);
+    throw new RuntimeFailure(`--report: cannot write "${path}" (${reason}); the migration itself finished`);
+  }
+}
