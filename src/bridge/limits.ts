@@ -19,15 +19,17 @@ export class MessageBudget {
 
 /**
  * A token bucket for migrate --max-rate: forwarding waits for tokens, so the job's publish rate
- * stays at or under `ratePerSecond` averaged over a second (bursts up to one second's worth).
+ * stays at or under `ratePerSecond`, with bursts of at most a tenth of a second's worth.
  */
 export class TokenBucket {
   private tokens: number;
+  private readonly capacity: number;
   private refilledAt = Date.now();
   private queue: Promise<void> = Promise.resolve();
 
   constructor(private readonly ratePerSecond: number) {
-    this.tokens = ratePerSecond;
+    this.capacity = Math.max(1, Math.floor(ratePerSecond / 10));
+    this.tokens = this.capacity;
   }
 
   /** Resolves once `count` tokens were taken; callers are served in order. */

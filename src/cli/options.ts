@@ -31,6 +31,10 @@ export function addMigrateOptions(command: Command): Command {
     )
     .option('--job-file <file>', 'YAML file listing the queues (and optionally source, target, redis)')
     .option('--job-name <name>', 'name of the job lock (default: derived from the brokers and queues)')
+    .option(
+      '--job-lock-lease <duration>',
+      `how long the job lock outlives a crashed run (default ${MIGRATE_DEFAULTS.jobLockLease})`,
+    )
     .option('--parallel <n>', `queues migrated at once (default ${MIGRATE_DEFAULTS.parallel})`)
     .option(
       '--idle-timeout <duration>',

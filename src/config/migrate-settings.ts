@@ -12,6 +12,7 @@ export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
   map?: string[];
   jobFile?: string;
   jobName?: string;
+  jobLockLease?: string;
   parallel?: string;
   deleteSourceWhenEmpty?: boolean;
   declareTarget?: boolean;
@@ -27,6 +28,8 @@ export interface MigrateSettings {
   /** One route per source queue, each with its target queue and dedup scope. */
   routes: BridgeSettings[];
   jobName: string;
+  /** How long the job lock outlives a crashed run. */
+  jobLockLeaseMs: number;
   parallel: number;
   idleTimeoutMs: number;
   maxMessages: number | undefined;
@@ -190,6 +193,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   return {
     routes,
     jobName: raw.jobName ?? defaultJobName(first, routes),
+    jobLockLeaseMs: parseDuration(raw.jobLockLease ?? MIGRATE_DEFAULTS.jobLockLease, '--job-lock-lease'),
     parallel:
       raw.parallel === undefined ? MIGRATE_DEFAULTS.parallel : wholeNumber(raw.parallel, '--parallel', 1),
     idleTimeoutMs: parseDuration(raw.idleTimeout ?? DEFAULTS.idleTimeout, '--idle-timeout'),

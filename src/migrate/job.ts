@@ -109,7 +109,7 @@ export async function migrateQueue(
     );
   }
   await source.closeConsumer();
-  const remaining = await source.depth();
+  const remaining = await settledDepth(bridge);
   progress.depth = remaining;
   await closeQuietly(bridge);
   let deleted = false;
@@ -135,6 +135,21 @@ function shutdownTimeout(settings: BridgeSettings): number {
 
 async function closeQuietly(bridge: Bridge): Promise<void> {
   await bridge.close().catch(() => {});
+}
+
+/**
+ * The source depth once the broker has put back what we returned: it requeues a closed channel's
+ * deliveries in the background, so read until two reads agree.
+ */
+async function settledDepth(bridge: Bridge): Promise<number | undefined> {
+  let last = await bridge.source.depth();
+  for (let i = 0; i < 20; i++) {
+    await sleep(100);
+    const now = await bridge.source.depth();
+    if (now === last) return now;
+    last = now;
+  }
+  return last;
 }
 
 /**

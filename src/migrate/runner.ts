@@ -3,8 +3,7 @@ import { connectAmqp } from '../amqp/connect.js';
 import { checkExchangeExists, checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { MessageBudget, TokenBucket } from '../bridge/limits.js';
-import { parseDuration } from '../config/duration.js';
-import { MIGRATE_DEFAULTS, type MigrateSettings } from '../config/migrate-settings.js';
+import type { MigrateSettings } from '../config/migrate-settings.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { newOwnerToken } from '../dedup/cache.js';
@@ -45,7 +44,7 @@ export async function runMigration(
       first.redisPrefix,
       settings.jobName,
       newOwnerToken(),
-      parseDuration(MIGRATE_DEFAULTS.jobLockLease, 'job lock lease'),
+      settings.jobLockLeaseMs,
       log,
     );
     if (settings.declareTarget) {

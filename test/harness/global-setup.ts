@@ -8,6 +8,7 @@ declare module 'vitest' {
       sourceUrl: string;
       targetUrl: string;
       redisUrl: string;
+      sourceManagementUrl: string;
       own: boolean;
       runDir: string;
     };
@@ -23,6 +24,7 @@ export async function setup(project: TestProject): Promise<void> {
     sourceUrl: harness.sourceUrl,
     targetUrl: harness.targetUrl,
     redisUrl: harness.redisUrl,
+    sourceManagementUrl: harness.sourceManagementUrl,
     own: harness.own,
     runDir: harness.runDir,
   });

@@ -6,6 +6,8 @@ export interface HarnessUrls {
   sourceUrl: string;
   targetUrl: string;
   redisUrl: string;
+  /** The source broker's management API (SOURCE_MANAGEMENT_URL, or derived: port 15672). */
+  sourceManagementUrl: string;
   /** True when the harness started these servers itself. */
   own: boolean;
   /** The run folder of servers the harness started ('' when not its own). */
@@ -32,10 +34,15 @@ export const HOW_TO_GET_SERVERS =
 export async function startHarness(): Promise<Harness> {
   const { SOURCE_URL, TARGET_URL, REDIS_URL } = process.env;
   if (SOURCE_URL && TARGET_URL && REDIS_URL) {
+    const source = new URL(SOURCE_URL);
+    const management =
+      process.env.SOURCE_MANAGEMENT_URL ??
+      `http://${source.username}:${source.password}@${source.hostname}:15672`;
     return {
       sourceUrl: SOURCE_URL,
       targetUrl: TARGET_URL,
       redisUrl: REDIS_URL,
+      sourceManagementUrl: management,
       own: false,
       runDir: '',
       stop: async () => {},
@@ -45,7 +52,7 @@ export async function startHarness(): Promise<Harness> {
 
   cleanLeftovers();
   const runDir = newRunDir();
-  const source = new RabbitNode(runDir, 'source');
+  const source = new RabbitNode(runDir, 'source', { management: true });
   const target = new RabbitNode(runDir, 'target');
   const redis = new RedisServer(runDir, 'redis');
   const stop = async () => {
@@ -68,6 +75,7 @@ export async function startHarness(): Promise<Harness> {
     sourceUrl: source.url,
     targetUrl: target.url,
     redisUrl: redis.url,
+    sourceManagementUrl: source.managementUrl,
     own: true,
     runDir,
     source,

@@ -132,6 +132,8 @@ function chownTree(path: string, uid: number, gid: number): void {
 
 export interface RabbitNodeOptions {
   plugins?: string[];
+  /** Serve the management API on a free loopback port (enables rabbitmq_management). */
+  management?: boolean;
   /** Extra rabbitmq.conf lines. */
   config?: string[];
 }
@@ -141,6 +143,7 @@ export class RabbitNode {
   readonly dir: string;
   readonly nodeName: string;
   port = 0;
+  managementPort = 0;
   private distPort = 0;
   private readonly user = rabbitUser();
 
@@ -155,6 +158,11 @@ export class RabbitNode {
 
   get url(): string {
     return `amqp://guest:guest@127.0.0.1:${this.port}`;
+  }
+
+  /** The management API, when the node serves it; '' otherwise. */
+  get managementUrl(): string {
+    return this.managementPort ? `http://guest:guest@127.0.0.1:${this.managementPort}` : '';
   }
 
   private env(): NodeJS.ProcessEnv {
@@ -193,16 +201,17 @@ export class RabbitNode {
       this.port = await freePort();
       this.distPort = await freePort();
       mkdirSync(this.dir, { recursive: true });
-      const plugins = this.options.plugins ?? [];
+      const plugins = [...(this.options.plugins ?? [])];
+      const extra = [...(this.options.config ?? [])];
+      if (this.options.management) {
+        this.managementPort = await freePort();
+        plugins.push('rabbitmq_management');
+        extra.push(`management.tcp.port = ${this.managementPort}`, 'management.tcp.ip = 127.0.0.1');
+      }
       writeFileSync(join(this.dir, 'enabled_plugins'), `[${plugins.join(',')}].\n`);
       writeFileSync(
         join(this.dir, 'rabbitmq.conf'),
-        [
-          `listeners.tcp.default = ${this.port}`,
-          'loopback_users = none',
-          ...(this.options.config ?? []),
-          '',
-        ].join('\n'),
+        [`listeners.tcp.default = ${this.port}`, 'loopback_users = none', ...extra, ''].join('\n'),
       );
       writeFileSync(join(this.dir, 'advanced.config'), '[].\n');
       writeFileSync(join(this.dir, 'rabbitmq-env.conf'), '');
