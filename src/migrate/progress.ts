@@ -20,6 +20,15 @@ function rateOf(item: QueueProgress): number {
   return Math.round(handled(item) / seconds);
 }
 
+/** Time left at the current rate, from the source depth: "42s", "3m", or "?" before any rate. */
+function etaOf(item: QueueProgress): string {
+  if (item.done || item.depth === 0) return '0s';
+  const rate = rateOf(item);
+  if (!rate || item.depth === undefined) return '?';
+  const seconds = Math.ceil(item.depth / rate);
+  return seconds < 120 ? `${seconds}s` : `${Math.ceil(seconds / 60)}m`;
+}
+
 /** Shows the job's progress until stopped: bars on a terminal, log lines off it, nothing if quiet. */
 export function showProgress(items: QueueProgress[], options: ProgressOptions): { stop(): void } {
   if (options.quiet) return { stop: () => {} };
@@ -45,7 +54,7 @@ export function showProgress(items: QueueProgress[], options: ProgressOptions): 
   }
   const bars = new cliProgress.MultiBar(
     {
-      format: ' {queue} |{bar}| {value}/{total} moved · {dups} dups · {rate} msg/s · ETA {eta_formatted}',
+      format: ' {queue} |{bar}| {value}/{total} moved · {dups} dups · {rate} msg/s · ETA {etaText}',
       hideCursor: true,
       clearOnComplete: false,
       stream: process.stderr,
@@ -56,20 +65,23 @@ export function showProgress(items: QueueProgress[], options: ProgressOptions): 
   const bar = new Map(
     items.map((item) => [
       item,
-      bars.create(1, 0, { queue: item.sourceQueue.padEnd(width), dups: 0, rate: 0 }),
+      bars.create(1, 0, { queue: item.sourceQueue.padEnd(width), dups: 0, rate: 0, etaText: '?' }),
     ]),
   );
-  const timer = setInterval(() => {
+  const refresh = () => {
     for (const item of items) {
       const done = handled(item);
       // The total is what we moved plus what the source still holds (it may grow while we run).
       bar.get(item)?.setTotal(Math.max(1, done + (item.depth ?? 0)));
-      bar.get(item)?.update(done, { dups: item.counters.duplicates, rate: rateOf(item) });
+      const payload = { dups: item.counters.duplicates, rate: rateOf(item), etaText: etaOf(item) };
+      bar.get(item)?.update(done, payload);
     }
-  }, 200);
+  };
+  const timer = setInterval(refresh, 200);
   return {
     stop: () => {
       clearInterval(timer);
+      refresh();
       bars.stop();
     },
   };

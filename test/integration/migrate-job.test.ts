@@ -1,9 +1,11 @@
+import { spawnSync } from 'node:child_process';
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import {
+  CLI,
   countDelivery,
   declareQueue,
   depthOf,
@@ -254,6 +256,24 @@ describe('migrate: the scheduled job', () => {
       /PRECONDITION_FAILED/,
     );
     await broker.close();
+  });
+
+  it('shows a live bar per queue on a terminal', async () => {
+    const { names } = await queuesWith(2, 300, 1000);
+    // `script` gives the CLI a pseudo-terminal, as an operator's shell would.
+    const command = [process.execPath, CLI, ...jobArgs(names, '--max-rate', '300', '--log-level', 'warn')]
+      .map((part) => `'${part}'`)
+      .join(' ');
+    const result = spawnSync('script', ['-qfec', command, '/dev/null'], {
+      encoding: 'utf8',
+      timeout: 60_000,
+    });
+    expect(result.status).toBe(0);
+    const escapes = new RegExp(`${String.fromCharCode(27)}\\[[0-9;?]*[A-Za-z]`, 'g');
+    const screen = result.stdout.replace(escapes, '');
+    // Each queue: 300 messages and 1 resent; the line is cut at the terminal's 80 columns.
+    for (const name of names) expect(screen).toMatch(new RegExp(`${name} \\|█+\\| 301/301 moved · 1 du`));
+    expect(screen).toMatch(/total\s+drained\s+600/);
   });
 
   it('reads its queues from a job file and reports progress off a terminal', async () => {
