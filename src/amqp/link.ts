@@ -6,6 +6,25 @@ import { backoffDelay, sleep } from './backoff.js';
 import { ConnectCancelled, connectAmqp } from './connect.js';
 import { describe } from './errors.js';
 
+// A broker under a resource alarm may never read our Close: give it this long, then drop the socket.
+const CLOSE_TIMEOUT_MS = 3000;
+
+/** Closes a connection politely, or destroys its socket when the broker does not answer in time. */
+export async function closeWithin(connection: ChannelModel, ms: number): Promise<void> {
+  const timedOut = await Promise.race([
+    connection.close().then(
+      () => false,
+      () => false,
+    ),
+    sleep(ms).then(() => true),
+  ]);
+  if (timedOut) {
+    const stream = (connection as unknown as { connection?: { stream?: { destroy?: () => void } } })
+      .connection?.stream;
+    stream?.destroy?.();
+  }
+}
+
 export interface LinkOptions {
   side: 'source' | 'target';
   /** Bound on the first connect; 0 retries forever. Later outages are retried until `close()`. */
@@ -81,7 +100,7 @@ export class AmqpLink {
     this.connection = undefined;
     this.downSince = Date.now();
     this.teardown();
-    void connection.close().catch(() => {});
+    void closeWithin(connection, CLOSE_TIMEOUT_MS);
     this.options.log.warn({ side: this.options.side, reason }, `${this.where}: lost; reconnecting`);
     void this.reconnect();
   }
@@ -122,6 +141,6 @@ export class AmqpLink {
     this.closing = true;
     const connection = this.connection;
     this.connection = undefined;
-    if (connection) await connection.close().catch(() => {});
+    if (connection) await closeWithin(connection, CLOSE_TIMEOUT_MS);
   }
 }

@@ -1,7 +1,11 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Options } from 'amqplib';
 import { FatalConnectError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
+import { sleep } from './backoff.js';
 import { replyCodeOf } from './errors.js';
+
+/** Matches a parked copy that came back unroutable to its publish. */
+const PARK_SEQ_HEADER = 'x-dedup-park-seq';
 
 /**
  * The source side: a consuming channel with manual acks and a prefetch, a probe channel for queue
@@ -16,6 +20,8 @@ export class SourceQueue {
   private consumerTag: string | undefined;
   private onMessage: ((message: ConsumeMessage) => void) | undefined;
   private readonly deliveredOn = new WeakMap<ConsumeMessage, Channel>();
+  private parkSeq = 0;
+  private readonly parkPending = new Map<number, { returned: boolean }>();
   private attachments = 0;
   /** Runs before consuming on a new connection (the pipeline settles what the old one left). */
   beforeConsume: () => Promise<void> = async () => {};
@@ -39,6 +45,13 @@ export class SourceQueue {
       await checkQueueExists(probe, this.parkQueue, this.where, '--park-queue');
       const park = await connection.createConfirmChannel();
       park.on('error', (error: Error) => this.log.warn({ error: error.message }, 'park channel error'));
+      park.on('return', (message) => {
+        const pending = this.parkPending.get(Number(message.properties.headers?.[PARK_SEQ_HEADER]));
+        if (pending) pending.returned = true;
+      });
+      park.on('close', () => {
+        if (this.parkChannel === park) this.onBroken('park channel closed');
+      });
       this.parkChannel = park;
     }
     const channel = await openChannel(connection, this.log);
@@ -89,7 +102,8 @@ export class SourceQueue {
     this.onMessage = undefined;
     const tag = this.consumerTag;
     this.consumerTag = undefined;
-    if (tag && this.channel) await this.channel.cancel(tag).catch(() => {});
+    // A broker that does not answer must not hold up a stop: wait at most 3 s for the cancel.
+    if (tag && this.channel) await Promise.race([this.channel.cancel(tag).catch(() => {}), sleep(3000)]);
   }
 
   get isConnected(): boolean {
@@ -134,19 +148,40 @@ export class SourceQueue {
     }
   }
 
-  /** Publishes a copy to the park queue and waits for the broker's confirm. */
+  /**
+   * Publishes a copy to the park queue and waits for the broker's confirm. False (the message
+   * stays in the source) when the park queue refused or could not route it.
+   */
   park(message: ConsumeMessage, reason: string): Promise<boolean> {
     const channel = this.parkChannel;
     if (!channel || this.parkQueue === undefined || !this.liveChannelOf(message))
       return Promise.resolve(false);
-    const headers = { ...(message.properties.headers ?? {}), 'x-dedup-park-reason': reason };
-    const options = { ...publishOptionsOf(message), headers, mandatory: true };
+    const seq = ++this.parkSeq;
+    const options = publishOptionsOf(message);
+    const headers: Record<string, unknown> = {
+      ...(options.headers ?? {}),
+      'x-dedup-park-reason': reason,
+      [PARK_SEQ_HEADER]: seq,
+    };
+    if (options.userId !== undefined) {
+      // The broker refuses a user_id that is not the publishing user's.
+      headers['x-dedup-source-user-id'] = options.userId;
+      delete options.userId;
+    }
+    const pending = { returned: false };
+    this.parkPending.set(seq, pending);
     const parkQueue = this.parkQueue;
     return new Promise((resolve) => {
+      const done = (ok: boolean) => {
+        this.parkPending.delete(seq);
+        resolve(ok);
+      };
       try {
-        channel.publish('', parkQueue, message.content, options, (error) => resolve(!error));
+        channel.publish('', parkQueue, message.content, { ...options, headers, mandatory: true }, (error) =>
+          done(!error && !pending.returned),
+        );
       } catch {
-        resolve(false);
+        done(false);
       }
     });
   }

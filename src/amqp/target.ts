@@ -1,5 +1,5 @@
 import type { ChannelModel, ConfirmChannel, Message, Options } from 'amqplib';
-import { keyOfValue } from '../dedup/id.js';
+import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
 import type { Logger } from '../observe/log.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
@@ -27,6 +27,8 @@ export class TargetPublisher {
   private wakeReady: (() => void)[] = [];
   private drained: Promise<void> | undefined;
   private readonly pending = new Map<string, Pending>();
+  /** Per channel: whether it has closed (then a failed confirm means "lost", not "nacked"). */
+  private readonly closedFlags = new WeakMap<ConfirmChannel, { closed: boolean }>();
   /** Called when the channel closes under us: the owner reconnects. */
   onBroken: (reason: string) => void = () => {};
 
@@ -40,9 +42,12 @@ export class TargetPublisher {
   async attach(connection: ChannelModel): Promise<void> {
     await this.checkDestination(connection);
     const channel = await connection.createConfirmChannel();
+    const flag = { closed: false };
+    this.closedFlags.set(channel, flag);
     channel.on('error', (error: Error) => this.log.warn({ error: error.message }, 'target channel error'));
     channel.on('return', (message: Message) => this.markReturned(message));
     channel.on('close', () => {
+      flag.closed = true;
       if (this.channel === channel) this.onBroken('target channel closed');
     });
     connection.on('blocked', (reason: string) => {
@@ -101,23 +106,25 @@ export class TargetPublisher {
   }
 
   /**
-   * Publishes with `mandatory` and resolves with what the target said. `idKey` must be the cache
-   * key of the `_HQ_DUPL_ID` header value, so a return can be matched to this publish.
+   * Publishes with `mandatory` and resolves with what the target said. The `_HQ_DUPL_ID` header
+   * must be set: a return is matched to its publish by it.
    */
   async publish(
     exchange: string,
     routingKey: string,
     content: Buffer,
     options: Options.Publish,
-    idKey: string,
   ): Promise<PublishOutcome> {
     const channel = await this.ready();
     if (!channel) return 'lost';
+    const closed = this.closedFlags.get(channel) as { closed: boolean };
+    // The same function reads the header of a returned message, so the keys always agree.
+    const matchKey = keyOfValue(options.headers?.[DUPLICATE_ID_HEADER]) ?? '';
     const pending: Pending = { returned: false };
-    this.pending.set(idKey, pending);
+    this.pending.set(matchKey, pending);
     return new Promise<PublishOutcome>((resolve) => {
       const settle = (outcome: PublishOutcome) => {
-        if (this.pending.get(idKey) === pending) this.pending.delete(idKey);
+        if (this.pending.get(matchKey) === pending) this.pending.delete(matchKey);
         resolve(outcome);
       };
       try {
@@ -131,9 +138,9 @@ export class TargetPublisher {
               settle(pending.returned ? 'returned' : 'confirmed');
               return;
             }
-            // amqplib calls back with an error both for a nack and for a closed channel; its close
-            // handlers run synchronously, so by the next microtask we know which one it was.
-            queueMicrotask(() => settle(this.channel === channel ? 'nacked' : 'lost'));
+            // amqplib calls back with an error both for a nack and for a closed channel; the close
+            // listeners run synchronously, so by the next microtask we know which one it was.
+            queueMicrotask(() => settle(closed.closed ? 'lost' : 'nacked'));
           },
         );
         if (!ok && !this.drained) this.waitForDrain(channel);
@@ -158,8 +165,8 @@ export class TargetPublisher {
   }
 
   private markReturned(message: Message): void {
-    const key = keyOfValue(message.properties.headers?._HQ_DUPL_ID);
-    const pending = key === undefined ? undefined : this.pending.get(key);
+    const key = keyOfValue(message.properties.headers?.[DUPLICATE_ID_HEADER]) ?? '';
+    const pending = this.pending.get(key);
     if (pending) pending.returned = true;
     else this.log.warn('target returned a message the bridge cannot match to a publish');
   }

@@ -128,9 +128,16 @@ export async function startBridge(
   });
   sourceLink.onFatal = reportFailure;
   targetLink.onFatal = reportFailure;
-  await pipeline.start((error) =>
-    reportFailure(new RuntimeFailure(`route ${settings.sourceQueue}: internal error: ${error.message}`)),
-  );
+  try {
+    await pipeline.start((error) =>
+      reportFailure(new RuntimeFailure(`route ${settings.sourceQueue}: internal error: ${error.message}`)),
+    );
+  } catch (error) {
+    // e.g. basic.consume refused (an exclusive consumer holds the queue): nothing may keep running.
+    await pipeline.stop(0);
+    await closeAll();
+    throw error;
+  }
   routeLog.info(
     {
       source: redactUrl(settings.sourceUrl),

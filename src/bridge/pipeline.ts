@@ -44,14 +44,15 @@ interface Entry {
   key: string | undefined;
   /** The value written to `_HQ_DUPL_ID` on the target. */
   idValue: unknown;
-  /** The ID's cache key without prefix and scope (matches returns to publishes). */
-  idKey: string;
   state: ClaimState | undefined;
   /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
   leading: boolean;
 }
 
 type Failure = 'unroutable' | 'nacked' | 'no-id';
+
+/** Thrown inside work that a stop abandoned when its time ran out. */
+class Abandoned extends Error {}
 
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
@@ -81,6 +82,7 @@ export class Pipeline {
   private readonly active = new Set<Promise<void>>();
   private readonly retryCounts = new Map<string, number>();
   private renewTimer: NodeJS.Timeout | undefined;
+  private renewing = false;
   private stopping = false;
   /** Set when a stop ran out of time: publishes still waiting for the target give up. */
   private abandoned = false;
@@ -108,9 +110,18 @@ export class Pipeline {
     return this.held;
   }
 
-  /** True when every message we hold is one that failed and waits to go back to the source. */
+  /**
+   * True when nothing is being forwarded and what we hold is messages that failed and wait to go
+   * back to the source (and copies of their IDs waiting behind them).
+   */
   get onlyFailuresHeld(): boolean {
-    return this.held > 0 && this.held === this.waitingToRequeue;
+    return (
+      this.held > 0 &&
+      this.waitingToRequeue > 0 &&
+      this.active.size === 0 &&
+      this.batch.length === 0 &&
+      this.claimed.size === 0
+    );
   }
 
   /** When a message was last forwarded, skipped as a duplicate, parked or dead-lettered. */
@@ -162,6 +173,8 @@ export class Pipeline {
       }
     }
     if (this.renewTimer) clearInterval(this.renewTimer);
+    // A source reconnect waiting to consume again must not wait any longer.
+    for (const wake of this.idleWaiters.splice(0)) wake();
     return this.held;
   }
 
@@ -201,7 +214,6 @@ export class Pipeline {
         message,
         key: undefined,
         idValue: undefined,
-        idKey: '',
         state: undefined,
         leading: false,
       };
@@ -217,7 +229,6 @@ export class Pipeline {
       message,
       key,
       idValue: id.headerValue,
-      idKey: id.key,
       state: undefined,
       leading: false,
     };
@@ -251,7 +262,10 @@ export class Pipeline {
   }
 
   private track(work: Promise<void>): void {
-    const tracked = work.catch((error: unknown) => this.fail(error));
+    const tracked = work.catch((error: unknown) => {
+      // A stop that ran out of time left this batch: its messages stay unacked, claims in doubt.
+      if (!(error instanceof Abandoned)) this.fail(error);
+    });
     this.active.add(tracked);
     void tracked.finally(() => this.active.delete(tracked));
   }
@@ -322,9 +336,14 @@ export class Pipeline {
 
     if (refused.length > 0) {
       const refusedEntries = refused.map(([entry]) => entry);
-      await this.redis('release', () =>
-        this.cache.release(refusedEntries.map((entry) => entry.key as string)),
-      );
+      // A claim that is in doubt stays so: an earlier copy may be on the target, and the next
+      // attempt, by anyone, must flag its copy.
+      const keysOf = (inDoubt: boolean) =>
+        refusedEntries
+          .filter((entry) => (entry.state === 'in-doubt') === inDoubt)
+          .map((entry) => entry.key as string);
+      await this.redis('release', () => this.cache.release(keysOf(false)));
+      await this.redis('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
       for (const entry of refusedEntries) this.claimed.delete(entry);
       await Promise.all(refused.map(([entry, why]) => this.handleFailure(entry, why)));
     }
@@ -370,13 +389,7 @@ export class Pipeline {
     }
     options.headers = headers;
     const routingKey = this.settings.targetRoutingKey ?? message.fields.routingKey;
-    return this.target.publish(
-      this.settings.targetExchange,
-      routingKey,
-      message.content,
-      options,
-      entry.idKey,
-    );
+    return this.target.publish(this.settings.targetExchange, routingKey, message.content, options);
   }
 
   /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
@@ -441,6 +454,10 @@ export class Pipeline {
     then: (entry: Entry) => void,
     onStop: (entry: Entry) => void,
   ): void {
+    if (this.stopping) {
+      for (const entry of entries) onStop(entry);
+      return;
+    }
     const timer = setTimeout(() => {
       this.timers.delete(timer);
       for (const entry of entries) (this.stopping ? onStop : then)(entry);
@@ -484,19 +501,27 @@ export class Pipeline {
   }
 
   private renewLeases(): void {
-    if (this.claimed.size === 0) return;
+    // While Redis is away a renewal waits; do not queue another behind it.
+    if (this.claimed.size === 0 || this.renewing) return;
     const keys = [...this.claimed].map((entry) => entry.key as string);
-    this.cache.renew(keys).catch((error: unknown) => {
-      this.log.warn(
-        { route: this.settings.name, error: describe(error) },
-        'lease renewal failed; will retry',
-      );
-    });
+    this.renewing = true;
+    this.cache
+      .renew(keys)
+      .catch((error: unknown) => {
+        this.log.warn(
+          { route: this.settings.name, error: describe(error) },
+          'lease renewal failed; will retry',
+        );
+      })
+      .finally(() => {
+        this.renewing = false;
+      });
   }
 
   /** Runs a cache call until it succeeds: a message never moves on without its claim or commit. */
   private async redis<T>(what: string, call: () => Promise<T>): Promise<T> {
     for (let attempt = 1; ; attempt++) {
+      if (this.abandoned) throw new Abandoned();
       try {
         const result = await call();
         if (attempt > 1) this.log.info({ route: this.settings.name, what }, 'Redis answers again');

@@ -72,9 +72,14 @@ export class DedupCache {
     return reply.map((code) => COMMIT_RESULTS[code] as CommitResult);
   }
 
-  async release(keys: readonly string[]): Promise<number> {
+  /**
+   * Gives up our claims. With `keepInDoubt` the claim stays, expired and flagged, so whoever
+   * claims the ID next (we included) forwards it flagged in-doubt.
+   */
+  async release(keys: readonly string[], options: { keepInDoubt?: boolean } = {}): Promise<number> {
     if (keys.length === 0) return 0;
-    const reply = await this.scripts.release(keys.length, ...keys, this.token);
+    const mode = options.keepInDoubt ? 'doubt' : 'drop';
+    const reply = await this.scripts.release(keys.length, ...keys, this.token, mode);
     return reply.reduce((sum, code) => sum + code, 0);
   }
 

@@ -165,11 +165,15 @@ async function deleteIfEmpty(settings: BridgeSettings, log: Logger): Promise<boo
   try {
     const channel = await connection.createChannel();
     channel.on('error', () => {});
-    await channel.deleteQueue(settings.sourceQueue, { ifEmpty: true });
+    // if-unused too: another consumer's unacked messages are not counted as "not empty".
+    await channel.deleteQueue(settings.sourceQueue, { ifEmpty: true, ifUnused: true });
     log.info({ queue: settings.sourceQueue }, 'source queue drained and deleted');
     return true;
   } catch (error) {
-    const reason = replyCodeOf(error) === 406 ? 'it is no longer empty' : String((error as Error).message);
+    const reason =
+      replyCodeOf(error) === 406
+        ? 'it is no longer empty, or another consumer uses it'
+        : String((error as Error).message);
     log.warn({ queue: settings.sourceQueue, reason }, 'source queue not deleted');
     return false;
   } finally {

@@ -42,10 +42,12 @@ describe('the Redis cache scripts (real Redis)', () => {
     // The crashed owner's lease ran out: the ID is ours now, in doubt.
     expect(await mine.claim([a])).toEqual(['in-doubt']);
     expect(await mine.claim([a])).toEqual(['in-doubt']);
-    // The crashed owner comes back late: its commit must not overwrite our claim.
+    // The crashed owner was only slow: the target confirmed its copy, so it commits the ID even
+    // though we took the claim over; our copy (flagged in-doubt) is the duplicate.
     expect(await crashed.commit([a])).toEqual(['taken']);
-    expect(await mine.commit([a])).toEqual(['committed']);
+    expect(await redis.get(a)).toBe('d');
     expect(await mine.commit([a])).toEqual(['already']);
+    expect(await mine.claim([a])).toEqual(['dup']);
   });
 
   it('releases only its own claims, and commits an ID whose record vanished', async () => {
@@ -60,6 +62,17 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await redis.get(b)).toMatch(/^c:theirs:/);
     expect(await mine.commit([c])).toEqual(['restored']);
     expect(await redis.get(c)).toBe('d');
+  });
+
+  it('a release that keeps the doubt makes the next claim, by anyone, in-doubt', async () => {
+    const scope = uniqueName('scope');
+    const [a, b] = keysFor(scope, 'a', 'b') as [string, string];
+    const mine = cacheOf('mine');
+    await mine.claim([a, b]);
+    expect(await mine.release([a], { keepInDoubt: true })).toBe(1);
+    expect(await mine.claim([a])).toEqual(['in-doubt']);
+    await mine.release([a, b], { keepInDoubt: true });
+    expect(await cacheOf('other').claim([a, b])).toEqual(['in-doubt', 'in-doubt']);
   });
 
   it('renews the leases of its own claims only', async () => {

@@ -142,4 +142,28 @@ describe('unroutable messages are never lost', () => {
     expect(await depthOf(sourceUrl, source)).toBe(0);
     expect(target).toBeTruthy();
   });
+
+  it('an unroutable message whose ID is re-encoded as a key (long, or prefix-like) is still recognised as returned', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('src');
+    const park = uniqueName('park');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(sourceUrl, park);
+    const ids = ['x'.repeat(250), 'num:42', 'bytes:ab'];
+    await publishAll(
+      sourceUrl,
+      source,
+      ids.map((id, i) => ({ body: `m${i}`, options: { messageId: id } })),
+    );
+    const missing = uniqueName('no-such-queue');
+    const run = await migrateWithReport(
+      migrateArgs(source, ['--target-exchange', '', '--target-routing-key', missing], '--park-queue', park),
+    );
+    expect(run.code).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: 0, parked: 3, unroutable: 3 });
+    expect((await takeAll(sourceUrl, park)).map((m) => m.properties.messageId).sort()).toEqual(
+      [...ids].sort(),
+    );
+    expect(targetUrl).toBeTruthy();
+  });
 });

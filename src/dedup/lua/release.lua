@@ -1,13 +1,21 @@
 -- release: give up claims that were not forwarded (nacked, unroutable, shutting down).
 -- KEYS[1..n]  one key per ID, all in one hash slot: <prefix>:{<scope>}:<id>
 -- ARGV[1]     owner token of the calling process
+-- ARGV[2]     drop: delete the claim (nothing of it reached the target)
+--             doubt: keep the claim, expired and flagged in-doubt (an earlier copy may be on the
+--             target), so that the next claim by anyone answers in-doubt
 -- Reply: one integer per key: 1 released, 0 not ours (committed, or another owner's)
 local token = ARGV[1]
+local mode = ARGV[2]
 local reply = {}
 for i, key in ipairs(KEYS) do
   local value = redis.call('GET', key)
   if value and string.match(value, '^c:([^:]*):') == token then
-    redis.call('DEL', key)
+    if mode == 'doubt' then
+      redis.call('SET', key, 'c:' .. token .. ':0:1', 'KEEPTTL')
+    else
+      redis.call('DEL', key)
+    end
     reply[i] = 1
   else
     reply[i] = 0
