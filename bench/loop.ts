@@ -1,0 +1,36 @@
+// The baseline a user would write instead of dedup-bridge: consume with manual acks, publish on a
+// confirm channel, ack the source message once its publish is confirmed. No dedup, no batching.
+// Usage: tsx bench/loop.ts <source url> <source queue> <target url> <target queue> <prefetch> <count>
+import amqp from 'amqplib';
+
+const [sourceUrl, sourceQueue, targetUrl, targetQueue, prefetchText, countText] = process.argv.slice(2);
+if (!sourceUrl || !sourceQueue || !targetUrl || !targetQueue) {
+  process.stderr.write(
+    'usage: loop.ts <source url> <source queue> <target url> <target queue> <prefetch> <count>\n',
+  );
+  process.exit(2);
+}
+const expected = Number(countText);
+const source = await amqp.connect(sourceUrl);
+const target = await amqp.connect(targetUrl);
+const consumer = await source.createChannel();
+const publisher = await target.createConfirmChannel();
+await consumer.prefetch(Number(prefetchText));
+let done = 0;
+let paused: Promise<void> | undefined;
+publisher.on('drain', () => {
+  paused = undefined;
+});
+await consumer.consume(sourceQueue, async (message) => {
+  if (!message) return;
+  while (paused) await paused;
+  const ok = publisher.publish('', targetQueue, message.content, message.properties, (error) => {
+    if (error) consumer.nack(message, false, true);
+    else consumer.ack(message);
+    done++;
+    if (done === expected) {
+      void Promise.all([source.close(), target.close()]).then(() => process.exit(0));
+    }
+  });
+  if (!ok) paused ??= new Promise((resolve) => publisher.once('drain', resolve));
+});
