@@ -11,8 +11,9 @@ if (!sourceUrl || !sourceQueue || !targetUrl || !targetQueue) {
   process.exit(2);
 }
 const expected = Number(countText);
-const source = await amqp.connect(sourceUrl);
-const target = await amqp.connect(targetUrl);
+// Nagle off, as the bridge has it, so the comparison is of the work and not of a socket option.
+const source = await amqp.connect(sourceUrl, { noDelay: true });
+const target = await amqp.connect(targetUrl, { noDelay: true });
 const consumer = await source.createChannel();
 const publisher = await target.createConfirmChannel();
 await consumer.prefetch(Number(prefetchText));

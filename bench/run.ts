@@ -79,6 +79,7 @@ async function main(): Promise<void> {
       redisBytesPerId: await redisBytesPerId(redis),
       peakRssMiB: await peakRss(source, target, redisServer),
       latency: await latency(source, target, redisServer),
+      loopLatency: await latency(source, target, redisServer, 'amqplib loop'),
       fullCache: await fullCacheThroughput(source, target, redisServer, redis),
     };
 
@@ -109,7 +110,8 @@ async function main(): Promise<void> {
     say(`Redis memory per committed ID: ${figures.redisBytesPerId.toFixed(1)} B (over ${MEMORY_IDS} IDs)`);
     say(`bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch)`);
     say(
-      `latency at 1,000 msg/s: p50 ${figures.latency.p50.toFixed(1)} ms, p99 ${figures.latency.p99.toFixed(1)} ms`,
+      `latency at 1,000 msg/s: p50 ${figures.latency.p50.toFixed(1)} ms, p99 ${figures.latency.p99.toFixed(1)} ms ` +
+        `(amqplib loop: p50 ${figures.loopLatency.p50.toFixed(1)} ms, p99 ${figures.loopLatency.p99.toFixed(1)} ms)`,
     );
     say(
       `throughput with ${CACHE_IDS} IDs in the cache: ${Math.round(figures.fullCache.full)} msg/s vs ${Math.round(figures.fullCache.empty)} empty (${(
@@ -439,30 +441,51 @@ async function peakRss(source: RabbitNode, target: RabbitNode, redisServer: Redi
 }
 
 /** End-to-end latency through `dedup-bridge run` at a steady 1,000 msg/s for 10 s. */
-async function latency(source: RabbitNode, target: RabbitNode, redisServer: RedisServer) {
+async function latency(
+  source: RabbitNode,
+  target: RabbitNode,
+  redisServer: RedisServer,
+  system: System = 'dedup-bridge',
+) {
   const queue = await queues(source.url, target.url);
-  const bridge = spawn(
-    process.execPath,
-    [
-      CLI,
-      'run',
-      '--source',
-      source.url,
-      '--source-queue',
-      queue.sourceQueue,
-      '--target',
-      target.url,
-      '--target-queue',
-      queue.targetQueue,
-      '--redis',
-      redisServer.url,
-      '--log-level',
-      'warn',
-    ],
-    { stdio: 'ignore' },
-  );
+  const total = QUICK ? 3000 : 10_000;
+  const bridge =
+    system === 'amqplib loop'
+      ? spawn(
+          TSX,
+          [
+            `${ROOT}bench/loop.ts`,
+            source.url,
+            queue.sourceQueue,
+            target.url,
+            queue.targetQueue,
+            '500',
+            String(total),
+          ],
+          { stdio: 'ignore' },
+        )
+      : spawn(
+          process.execPath,
+          [
+            CLI,
+            'run',
+            '--source',
+            source.url,
+            '--source-queue',
+            queue.sourceQueue,
+            '--target',
+            target.url,
+            '--target-queue',
+            queue.targetQueue,
+            '--redis',
+            redisServer.url,
+            '--log-level',
+            'warn',
+          ],
+          { stdio: 'ignore' },
+        );
   await sleep(1500);
-  const consumerConnection = await amqp.connect(target.url);
+  const consumerConnection = await amqp.connect(target.url, { noDelay: true });
   const consumer = await consumerConnection.createChannel();
   const samples: number[] = [];
   await consumer.consume(
@@ -474,10 +497,9 @@ async function latency(source: RabbitNode, target: RabbitNode, redisServer: Redi
     },
     { noAck: true },
   );
-  const producerConnection = await amqp.connect(source.url);
+  const producerConnection = await amqp.connect(source.url, { noDelay: true });
   const producer = await producerConnection.createChannel();
   const body = Buffer.alloc(1024, 'x');
-  const total = QUICK ? 3000 : 10_000;
   const started = performance.now();
   for (let i = 0; i < total; i++) {
     const due = started + i; // one per millisecond
@@ -489,8 +511,11 @@ async function latency(source: RabbitNode, target: RabbitNode, redisServer: Redi
     });
   }
   for (let i = 0; i < 100 && samples.length < total; i++) await sleep(100);
-  bridge.kill('SIGTERM');
-  await new Promise((resolve) => bridge.once('exit', resolve));
+  if (bridge.exitCode === null) {
+    const exited = new Promise((resolve) => bridge.once('exit', resolve));
+    bridge.kill('SIGTERM');
+    await exited;
+  }
   await producerConnection.close();
   await consumerConnection.close();
   if (samples.length < total) {

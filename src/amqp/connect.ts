@@ -29,6 +29,8 @@ export async function connectAmqp(url: string, options: ConnectOptions): Promise
       const connection = await amqp.connect(url, {
         clientProperties: { connection_name: `dedup-bridge ${options.side}` },
         timeout: 10_000,
+        // amqplib leaves Nagle's algorithm on: small frames would wait for the peer's delayed ACK.
+        noDelay: true,
       });
       // amqplib rethrows 'error' events that nobody listens to; the caller attaches its own too.
       connection.on('error', () => {});

@@ -1,8 +1,20 @@
-import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Options } from 'amqplib';
+import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message, Options } from 'amqplib';
 import { FatalConnectError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { sleep } from './backoff.js';
 import { replyCodeOf } from './errors.js';
+
+/** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
+interface AckState {
+  unsettled: Set<number>;
+  ready: Set<number>;
+  scheduled: boolean;
+}
+
+/** A stand-in message for acking by delivery tag. */
+function tagged(deliveryTag: number): Message {
+  return { fields: { deliveryTag } } as Message;
+}
 
 /** Matches a parked copy that came back unroutable to its publish. */
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';
@@ -20,6 +32,7 @@ export class SourceQueue {
   private consumerTag: string | undefined;
   private onMessage: ((message: ConsumeMessage) => void) | undefined;
   private readonly deliveredOn = new WeakMap<ConsumeMessage, Channel>();
+  private readonly ackStates = new WeakMap<Channel, AckState>();
   private parkSeq = 0;
   private readonly parkPending = new Map<number, { returned: boolean }>();
   private attachments = 0;
@@ -91,6 +104,7 @@ export class SourceQueue {
           return;
         }
         this.deliveredOn.set(message, channel);
+        this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
         handler(message);
       },
       { noAck: false },
@@ -114,11 +128,47 @@ export class SourceQueue {
   ack(message: ConsumeMessage): boolean {
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
+    const acks = this.acksOf(channel);
+    acks.ready.add(message.fields.deliveryTag);
+    if (!acks.scheduled) {
+      acks.scheduled = true;
+      setImmediate(() => this.flushAcks(channel, acks));
+    }
+    return true;
+  }
+
+  private acksOf(channel: Channel): AckState {
+    let state = this.ackStates.get(channel);
+    if (!state) {
+      state = { unsettled: new Set(), ready: new Set(), scheduled: false };
+      this.ackStates.set(channel, state);
+    }
+    return state;
+  }
+
+  /**
+   * Sends the acks collected in this turn: one `multiple` ack for the run of delivery tags from the
+   * oldest unsettled one, the others one by one (never held back behind a message still in flight).
+   */
+  private flushAcks(channel: Channel, acks: AckState): void {
+    acks.scheduled = false;
+    if (channel !== this.channel) return;
+    let upTo: number | undefined;
+    for (const tag of acks.unsettled) {
+      if (!acks.ready.has(tag)) break;
+      acks.unsettled.delete(tag);
+      acks.ready.delete(tag);
+      upTo = tag;
+    }
     try {
-      channel.ack(message);
-      return true;
+      if (upTo !== undefined) channel.ack(tagged(upTo), true);
+      for (const tag of acks.ready) {
+        acks.unsettled.delete(tag);
+        channel.ack(tagged(tag));
+      }
+      acks.ready.clear();
     } catch {
-      return false;
+      // The channel closed: the broker gives these back, and they come back as duplicates.
     }
   }
 
@@ -126,6 +176,7 @@ export class SourceQueue {
   nack(message: ConsumeMessage, requeue: boolean): boolean {
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
+    this.acksOf(channel).unsettled.delete(message.fields.deliveryTag);
     try {
       channel.nack(message, false, requeue);
       return true;
@@ -192,6 +243,8 @@ export class SourceQueue {
    */
   async closeConsumer(): Promise<void> {
     const channel = this.channel;
+    // Acks collected in this turn go out first.
+    if (channel) this.flushAcks(channel, this.acksOf(channel));
     this.channel = undefined;
     if (channel) await channel.close().catch(() => {});
   }
