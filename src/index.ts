@@ -2,6 +2,20 @@
 export { type Bridge, startBridge } from './bridge/bridge.js';
 export type { RouteCounters } from './bridge/counters.js';
 export { IN_DOUBT_HEADER } from './bridge/pipeline.js';
+export {
+  createIdempotentConsumer,
+  type HandlerContext,
+  type IdempotentConsumer,
+  type IdempotentConsumerOptions,
+} from './client/consumer.js';
+export { DedupPublishError, DedupPublisher, newDedupId, withDedupId } from './client/producer.js';
+export {
+  publishUnit,
+  UNIT_ID_HEADER,
+  UNIT_INDEX_HEADER,
+  UNIT_SIZE_HEADER,
+  type UnitMessage,
+} from './client/unit.js';
 export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
 export { cacheKey, DedupCache } from './dedup/cache.js';
 export { DUPLICATE_ID_HEADER, deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';

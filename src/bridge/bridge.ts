@@ -34,6 +34,8 @@ export interface BridgeLimits {
   budget?: MessageBudget;
   /** Called before each batch is published (migrate --max-rate). */
   throttle?: (count: number) => Promise<void>;
+  /** Test hook between confirms and commit. */
+  afterConfirm?: () => void;
 }
 
 export async function startBridge(
@@ -112,6 +114,7 @@ export async function startBridge(
       requeueDelay: settings.requeueDelay,
       budget: limits.budget ?? new MessageBudget(undefined),
       throttle: limits.throttle,
+      afterConfirm: limits.afterConfirm,
     },
     source,
     target,

@@ -35,6 +35,8 @@ export interface RouteSettings {
   budget: MessageBudget;
   /** Waits before publishing this many messages (migrate --max-rate). */
   throttle: ((count: number) => Promise<void>) | undefined;
+  /** Test hook: called between a batch's confirms and its commit (the documented window). */
+  afterConfirm: (() => void) | undefined;
 }
 
 /** One source message on its way through claim → publish → commit → ack. */
@@ -320,6 +322,7 @@ export class Pipeline {
     });
 
     if (confirmed.length > 0) {
+      this.settings.afterConfirm?.();
       const results = await this.redis('commit', () =>
         this.cache.commit(confirmed.map((entry) => entry.key as string)),
       );

@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { access, constants } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
-import { Command, CommanderError } from 'commander';
+import { Command, CommanderError, Option } from 'commander';
 import { type Bridge, startBridge } from '../bridge/bridge.js';
 import { type MigrateRawOptions, resolveMigrateSettings } from '../config/migrate-settings.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
@@ -42,9 +42,11 @@ function buildProgram(): Command {
       .command('run')
       .description('forward until stopped (SIGINT/SIGTERM: finish in-flight, then exit 0)'),
     'run',
-  ).action(async (raw: RawOptions) => {
-    exitCode = await runCommand(raw);
-  });
+  )
+    .addOption(new Option('--fault-crash-after-confirm', 'test hook').hideHelp())
+    .action(async (raw: RunRawOptions) => {
+      exitCode = await runCommand(raw);
+    });
 
   addMigrateOptions(
     addBridgeOptions(
@@ -57,11 +59,17 @@ function buildProgram(): Command {
   return program;
 }
 
-async function runCommand(raw: RawOptions): Promise<number> {
+type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean };
+
+async function runCommand(raw: RunRawOptions): Promise<number> {
   const settings = resolveBridgeSettings(raw, 'run');
   const log = createLogger(settings.logLevel);
   const signal = onStopSignal();
-  const bridge = await startBridge(settings, log);
+  // Hidden test hook: die like a crash between a batch's confirms and its commit.
+  const crash = raw.faultCrashAfterConfirm
+    ? { afterConfirm: () => process.kill(process.pid, 'SIGKILL') }
+    : {};
+  const bridge = await startBridge(settings, log, crash);
   const outage = watchOutage(bridge, settings.retryForMs);
   const first = await Promise.race([
     signal.first.then(() => 'signal' as const),

@@ -1,6 +1,6 @@
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import type { Redis } from 'ioredis';
+import type { ChainableCommander, Redis } from 'ioredis';
 
 export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
 export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
@@ -76,6 +76,12 @@ export class DedupCache {
    * Gives up our claims. With `keepInDoubt` the claim stays, expired and flagged, so whoever
    * claims the ID next (we included) forwards it flagged in-doubt.
    */
+  /** Queues the commit of `keys` on a MULTI, so it lands with the caller's own writes or not at all. */
+  commitIn(transaction: ChainableCommander, keys: readonly string[]): void {
+    const queue = transaction as unknown as Record<string, (...args: (string | number)[]) => unknown>;
+    queue.dedupBridge_commit?.(keys.length, ...keys, this.token, this.windowMs);
+  }
+
   async release(keys: readonly string[], options: { keepInDoubt?: boolean } = {}): Promise<number> {
     if (keys.length === 0) return 0;
     const mode = options.keepInDoubt ? 'doubt' : 'drop';

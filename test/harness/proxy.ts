@@ -13,6 +13,7 @@ export class FaultProxy {
   private readonly pairs = new Set<[Socket, Socket]>();
   private mode: ProxyMode = 'pass';
   private held: [Socket, Buffer][] = [];
+  private cutAfter: number | undefined;
   private delayMs = 0;
   port = 0;
 
@@ -53,6 +54,16 @@ export class FaultProxy {
     this.pairs.add(pair);
     const forward = (from: Socket, to: Socket) => {
       from.on('data', (chunk: Buffer) => {
+        if (from === client && this.cutAfter !== undefined) {
+          // Pass exactly the bytes left before the cut, then reset the connection mid-stream.
+          const room = this.cutAfter;
+          this.cutAfter = room - chunk.length;
+          if (this.cutAfter <= 0) {
+            this.cutAfter = undefined;
+            upstream.write(chunk.subarray(0, room), () => this.resetAll());
+            return;
+          }
+        }
         if (this.mode === 'blackhole') {
           this.held.push([to, chunk]);
           return;
@@ -80,6 +91,11 @@ export class FaultProxy {
     if (mode === 'pass') {
       for (const [to, chunk] of this.held.splice(0)) if (!to.destroyed) to.write(chunk);
     }
+  }
+
+  /** Resets every connection once `bytes` more bytes went from the clients to the server. */
+  resetAfter(bytes: number): void {
+    this.cutAfter = bytes;
   }
 
   setDelay(ms: number): void {

@@ -1,0 +1,45 @@
+import type { ConfirmChannel, Options } from 'amqplib';
+import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
+
+export const UNIT_ID_HEADER = 'x-dedup-unit-id';
+export const UNIT_SIZE_HEADER = 'x-dedup-unit-size';
+export const UNIT_INDEX_HEADER = 'x-dedup-unit-index';
+
+export interface UnitMessage {
+  exchange?: string;
+  routingKey: string;
+  content: Buffer;
+  options?: Options.Publish;
+}
+
+/**
+ * Publishes a unit of messages — the seed's transaction — with its ID set once: message i carries
+ * `_HQ_DUPL_ID` `<unitId>:<i>` and the unit's size. Re-sending the unit with the same `unitId`
+ * after a failure is always safe: the bridge drops the messages that already went through and
+ * forwards the rest, so the target ends up with each message of the unit exactly once.
+ *
+ * Not atomic: amqplib has no AMQP transactions, and confirms are per message. A consumer may see
+ * part of a unit before the rest arrives; the size header lets it wait for the whole unit.
+ */
+export async function publishUnit(
+  channel: ConfirmChannel,
+  messages: readonly UnitMessage[],
+  options: { unitId: string },
+): Promise<void> {
+  if (!options.unitId) throw new TypeError('publishUnit: unitId must not be empty');
+  const size = messages.length;
+  messages.forEach((message, index) => {
+    const headers = {
+      ...(message.options?.headers ?? {}),
+      [DUPLICATE_ID_HEADER]: `${options.unitId}:${index}`,
+      [UNIT_ID_HEADER]: options.unitId,
+      [UNIT_INDEX_HEADER]: index,
+      [UNIT_SIZE_HEADER]: size,
+    };
+    channel.publish(message.exchange ?? '', message.routingKey, message.content, {
+      ...message.options,
+      headers,
+    });
+  });
+  await channel.waitForConfirms();
+}

@@ -1,0 +1,229 @@
+import type { ConsumeMessage } from 'amqplib';
+import amqp from 'amqplib';
+import { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
+import { DedupPublisher, newDedupId, withDedupId } from '../../src/client/producer.js';
+import { publishUnit, UNIT_SIZE_HEADER } from '../../src/client/unit.js';
+import { FaultProxy } from '../harness/proxy.js';
+import {
+  countDelivery,
+  declareQueue,
+  depthOf,
+  migrateArgs,
+  migrateWithReport,
+  openBroker,
+  publishAll,
+  runArgs,
+  servers,
+  startCli,
+  takeAll,
+  uniqueName,
+  waitFor,
+} from '../helpers.js';
+
+describe('the library: producers, units and the idempotent consumer', () => {
+  let redis: Redis;
+  beforeAll(() => {
+    redis = new Redis(servers().redisUrl);
+  });
+  afterAll(async () => {
+    await redis.quit();
+  });
+
+  it('newDedupId gives UUIDs; withDedupId sets _HQ_DUPL_ID and keeps the rest; DedupPublisher confirms with the ID', async () => {
+    expect(newDedupId()).toMatch(/^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/);
+    expect(newDedupId()).not.toBe(newDedupId());
+    const options = withDedupId({ contentType: 'text/plain', headers: { a: 1 } }, Buffer.from([1, 2]));
+    expect(options).toEqual({
+      contentType: 'text/plain',
+      headers: { a: 1, _HQ_DUPL_ID: Buffer.from([1, 2]) },
+    });
+    expect(() => withDedupId({}, '')).toThrow(TypeError);
+
+    const { sourceUrl } = servers();
+    const queue = uniqueName('publisher');
+    await declareQueue(sourceUrl, queue);
+    const broker = await openBroker(sourceUrl);
+    const publisher = new DedupPublisher(broker.channel);
+    const id = await publisher.publish('', queue, Buffer.from('hello'), {
+      dedupId: 'fixed-1',
+      persistent: true,
+    });
+    const generated = await publisher.publish('', queue, Buffer.from('world'));
+    await broker.close();
+    expect(id).toBe('fixed-1');
+    const arrived = await takeAll(sourceUrl, queue);
+    expect(arrived.map((m) => m.properties.headers?._HQ_DUPL_ID)).toEqual(['fixed-1', generated]);
+  });
+
+  it('a unit cut off mid-way by a lost connection and sent again reaches the target exactly once', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('unit-src');
+    const target = uniqueName('unit-dst');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(targetUrl, target);
+    const unitId = `order-batch-${newDedupId()}`;
+    const unit = Array.from({ length: 10 }, (_, i) => ({
+      routingKey: source,
+      content: Buffer.alloc(20_000, String(i)),
+      options: { persistent: true },
+    }));
+
+    // The producer's connection dies half-way through the unit's bytes.
+    const proxy = FaultProxy.forUrl(sourceUrl);
+    await proxy.start();
+    const cut = await amqp.connect(proxy.urlFor(sourceUrl));
+    cut.on('error', () => {});
+    const cutChannel = await cut.createConfirmChannel();
+    cutChannel.on('error', () => {});
+    proxy.resetAfter(100_000);
+    await expect(publishUnit(cutChannel, unit, { unitId })).rejects.toThrow();
+    await proxy.stop();
+    const partial = await depthOf(sourceUrl, source);
+    expect(partial, 'part of the unit got through').toBeGreaterThan(0);
+    expect(partial).toBeLessThan(10);
+
+    // The producer sends the whole unit again, with the same unit ID.
+    const broker = await openBroker(sourceUrl);
+    await publishUnit(broker.channel, unit, { unitId });
+    await broker.close();
+
+    const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target]));
+    expect(run.code).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: 10, duplicates: partial });
+    const arrived = await takeAll(targetUrl, target);
+    const count = countDelivery(
+      'unit of 10, cut and re-sent',
+      Array.from({ length: 10 }, (_, i) => `${unitId}:${i}`),
+      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(arrived.every((m) => m.properties.headers?.[UNIT_SIZE_HEADER] === 10)).toBe(true);
+  });
+
+  it('in-doubt copies from a bridge killed between confirm and commit reach the target twice, the handler once', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('doubt-src');
+    const target = uniqueName('doubt-dst');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(targetUrl, target);
+    const ids = Array.from({ length: 50 }, (_, i) => `doubt-${i}`);
+    await publishAll(
+      sourceUrl,
+      source,
+      ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
+    );
+    // The hidden test hook kills the bridge after its first batch was confirmed, before the commit.
+    const crashed = startCli(
+      runArgs(source, ['--target-queue', target], '--lease', '1s', '--fault-crash-after-confirm'),
+    );
+    const result = await crashed.done;
+    expect(result.code).toBe(-1);
+    const firstCopies = await depthOf(targetUrl, target);
+    expect(firstCopies).toBeGreaterThan(0);
+
+    await new Promise((resolve) => setTimeout(resolve, 1200));
+    const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--lease', '1s'));
+    expect(run.code).toBe(0);
+    expect(run.report).toMatchObject({ inDoubt: firstCopies });
+
+    // Raw on the target: the first batch twice, the second copy of each flagged.
+    const broker = await openBroker(targetUrl);
+    const handled = new Map<string, number>();
+    const scope = uniqueName('app');
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue: target,
+      redis,
+      scope,
+      handler: (message) => {
+        const id = String(message.properties.headers?._HQ_DUPL_ID);
+        handled.set(id, (handled.get(id) ?? 0) + 1);
+      },
+    });
+    expect(
+      await waitFor(() => consumer.counts.processed + consumer.counts.duplicates === 50 + firstCopies),
+    ).toBe(true);
+    await consumer.stop();
+    await broker.close();
+    expect(consumer.counts).toMatchObject({ processed: 50, duplicates: firstCopies, failures: 0 });
+    const count = countDelivery(
+      'after the idempotent consumer',
+      ids,
+      [...handled.entries()].flatMap(([id, times]) => Array.from({ length: times }, () => id)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+  });
+
+  it('a handler that throws is retried, not lost, and not run again after it succeeded', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('flaky');
+    await declareQueue(targetUrl, queue);
+    await publishAll(targetUrl, queue, [
+      { body: 'a', options: { headers: { _HQ_DUPL_ID: 'flaky-a' } } },
+      { body: 'b', options: { headers: { _HQ_DUPL_ID: 'flaky-b' } } },
+    ]);
+    const broker = await openBroker(targetUrl);
+    const calls: string[] = [];
+    const errors: unknown[] = [];
+    let failOnce = true;
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      retryDelayMs: 50,
+      onError: (error) => errors.push(error),
+      handler: (message: ConsumeMessage) => {
+        calls.push(message.content.toString());
+        if (message.content.toString() === 'a' && failOnce) {
+          failOnce = false;
+          throw new Error('database unavailable');
+        }
+      },
+    });
+    expect(await waitFor(() => consumer.counts.processed === 2)).toBe(true);
+    // Both IDs again: already processed, so acked without the handler.
+    await publishAll(targetUrl, queue, [
+      { body: 'a', options: { headers: { _HQ_DUPL_ID: 'flaky-a' } } },
+      { body: 'b', options: { headers: { _HQ_DUPL_ID: Buffer.from('flaky-b') } } },
+    ]);
+    expect(await waitFor(() => consumer.counts.duplicates === 2)).toBe(true);
+    await consumer.stop();
+    await broker.close();
+    expect(calls.sort()).toEqual(['a', 'a', 'b']);
+    expect(consumer.counts).toMatchObject({ processed: 2, failures: 1, duplicates: 2 });
+    expect(String(errors[0])).toContain('database unavailable');
+    expect(await depthOf(targetUrl, queue)).toBe(0);
+  });
+
+  it('a handler’s Redis writes and the ID mark commit in one MULTI: each effect exactly once', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('effects');
+    await declareQueue(targetUrl, queue);
+    const ids = Array.from({ length: 30 }, (_, i) => `effect-${i}`);
+    const copies = [...ids, ...ids.slice(0, 10)].map((id) => ({
+      body: id,
+      options: { headers: { _HQ_DUPL_ID: id } },
+    }));
+    await publishAll(targetUrl, queue, copies);
+    const broker = await openBroker(targetUrl);
+    const ledger = uniqueName('ledger');
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      handler: (message, context) => {
+        context.transaction().hincrby(ledger, message.content.toString(), 1);
+      },
+    });
+    expect(await waitFor(() => consumer.counts.processed + consumer.counts.duplicates === 40)).toBe(true);
+    await consumer.stop();
+    await broker.close();
+    const effects = await redis.hgetall(ledger);
+    expect(Object.keys(effects).sort()).toEqual([...ids].sort());
+    expect(Object.values(effects).every((value) => value === '1')).toBe(true);
+  });
+});
