@@ -4,6 +4,7 @@ import {
   ChaosWorld,
   declare,
   drainTarget,
+  duplicatesAfterConsumer,
   FULL,
   formatTable,
   publishWorkload,
@@ -64,6 +65,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     const exit = await bridge.done;
     const copies = await drainTarget(world.target.url, targetQueue);
     const result = score(name, 'dedup-bridge', ids, copies, faults, started, done ? '' : 'timed out');
+    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
     results.push(result);
     expect(exit.code, exit.stderr).toBe(0);
     return { ...result, sourceQueue, targetQueue };
@@ -78,6 +80,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
 
   function expectOnceAndOnlyOnce(result: ScenarioResult, faults: number): void {
     expect(result.lost, JSON.stringify(result)).toBe(0);
+    expect(result.afterConsumer, 'the idempotent consumer sees each ID once').toBe(0);
     expect(result.unexpected).toBe(0);
     expect(result.unflagged, 'every duplicate is flagged in-doubt').toBe(0);
     expect(result.duplicates).toBeLessThanOrEqual(faults * PREFETCH);
@@ -104,15 +107,9 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     const done = await waitForTransfer(world, sourceQueue, targetQueue, MESSAGES, TRANSFER_TIMEOUT_MS);
     final.signal('SIGTERM');
     expect((await final.done).code).toBe(0);
-    const result = score(
-      name,
-      'dedup-bridge',
-      ids,
-      await drainTarget(world.target.url, targetQueue),
-      kills,
-      started,
-      done ? '' : 'timed out',
-    );
+    const copies = await drainTarget(world.target.url, targetQueue);
+    const result = score(name, 'dedup-bridge', ids, copies, kills, started, done ? '' : 'timed out');
+    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
     results.push(result);
     expect(kills, 'kills during the transfer').toBe(KILLS);
     expectOnceAndOnlyOnce(result, kills);
@@ -139,15 +136,9 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     await fault();
     const done = await waitForTransfer(world, sourceQueue, targetQueue, MESSAGES, TRANSFER_TIMEOUT_MS);
     await world.source.ctl('clear_parameter', 'shovel', shovel).catch(() => '');
-    const result = score(
-      name,
-      'Shovel',
-      ids,
-      await drainTarget(world.target.url, targetQueue),
-      1,
-      started,
-      done ? '' : 'timed out',
-    );
+    const copies = await drainTarget(world.target.url, targetQueue);
+    const result = score(name, 'Shovel', ids, copies, 1, started, done ? '' : 'timed out');
+    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
     results.push(result);
     return result;
   }
@@ -277,15 +268,9 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     const done = await waitForTransfer(world, sourceQueue, targetQueue, MESSAGES, TRANSFER_TIMEOUT_MS);
     for (const bridge of steady) bridge.signal('SIGTERM');
     const exits = await Promise.all(steady.map((bridge) => bridge.done));
-    const result = score(
-      name,
-      'dedup-bridge',
-      ids,
-      await drainTarget(world.target.url, targetQueue),
-      kills,
-      started,
-      done ? '' : 'timed out',
-    );
+    const copies = await drainTarget(world.target.url, targetQueue);
+    const result = score(name, 'dedup-bridge', ids, copies, kills, started, done ? '' : 'timed out');
+    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
     results.push(result);
     expect(exits.map((exit) => exit.code)).toEqual([0, 0]);
     expect(kills).toBeGreaterThan(0);

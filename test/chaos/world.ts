@@ -1,5 +1,7 @@
 import { rmSync } from 'node:fs';
 import amqp from 'amqplib';
+import { Redis } from 'ioredis';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { FaultProxy } from '../harness/proxy.js';
 import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
 import { CLI, type RunningCli, startCli } from '../helpers.js';
@@ -155,6 +157,8 @@ export interface ScenarioResult {
   unexpected: number;
   faults: number;
   seconds: number;
+  /** Extra handler calls when an idempotent consumer read the target: the application's view. */
+  afterConsumer: number | undefined;
   note: string;
 }
 
@@ -199,8 +203,50 @@ export function score(
     unexpected,
     faults,
     seconds: Math.round((Date.now() - started) / 100) / 10,
+    afterConsumer: undefined,
     note,
   };
+}
+
+/**
+ * Puts the copies that reached the target into a fresh queue and reads them with the library's
+ * idempotent consumer; returns how many times its handler saw an ID more than once.
+ */
+export async function duplicatesAfterConsumer(world: ChaosWorld, copies: Copy[]): Promise<number> {
+  const queue = `chaos-consumer-${process.pid}-${Date.now()}`;
+  const connection = await amqp.connect(world.target.url);
+  const channel = await connection.createConfirmChannel();
+  await channel.assertQueue(queue, { durable: false, autoDelete: false });
+  for (const copy of copies) {
+    channel.sendToQueue(queue, Buffer.from(copy.id), {
+      headers: { _HQ_DUPL_ID: copy.id, ...(copy.inDoubt ? { 'x-dedup-in-doubt': true } : {}) },
+    });
+  }
+  await channel.waitForConfirms();
+  const redis = new Redis(world.redisAof.url);
+  const seen = new Map<string, number>();
+  const consumerChannel = await connection.createChannel();
+  const consumer = await createIdempotentConsumer({
+    channel: consumerChannel,
+    queue,
+    redis,
+    scope: queue,
+    prefetch: 500,
+    handler: (message) => {
+      const id = message.content.toString();
+      seen.set(id, (seen.get(id) ?? 0) + 1);
+    },
+  });
+  for (let i = 0; i < 1200 && consumer.counts.processed + consumer.counts.duplicates < copies.length; i++) {
+    await sleep(100);
+  }
+  await consumer.stop();
+  await channel.deleteQueue(queue);
+  await connection.close();
+  await redis.quit();
+  let extra = 0;
+  for (const times of seen.values()) extra += times - 1;
+  return extra;
 }
 
 export function formatTable(results: ScenarioResult[]): string {
@@ -225,6 +271,7 @@ export function formatTable(results: ScenarioResult[]): string {
     String(r.flagged),
     String(r.unflagged),
     String(r.unexpected),
+    r.afterConsumer === undefined ? '-' : String(r.afterConsumer),
     String(r.faults),
     String(r.seconds),
   ]);
