@@ -259,6 +259,7 @@ export function formatTable(results: ScenarioResult[]): string {
     'flagged',
     'unflagged',
     'unexpected',
+    'after consumer',
     'faults',
     's',
   ];
