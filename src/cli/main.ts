@@ -5,10 +5,12 @@ import { Command, CommanderError, Option } from 'commander';
 import { type Bridge, startBridge } from '../bridge/bridge.js';
 import { type MigrateRawOptions, resolveMigrateSettings } from '../config/migrate-settings.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
+import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, UnavailableError } from '../errors.js';
 import { formatJobReport } from '../migrate/report.js';
 import { runMigration, writeReport } from '../migrate/runner.js';
-import { createLogger } from '../observe/log.js';
+import { createLogger, type Logger } from '../observe/log.js';
+import { addCacheCommands } from './cache.js';
 import { addBridgeOptions, addMigrateOptions } from './options.js';
 import { onStopSignal } from './signals.js';
 
@@ -56,14 +58,18 @@ function buildProgram(): Command {
   ).action(async (raw: MigrateRawOptions) => {
     exitCode = await migrateCommand(raw);
   });
+  addCacheCommands(program, (code) => {
+    exitCode = code;
+  });
   return program;
 }
 
-type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean };
+type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: boolean };
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
   const settings = resolveBridgeSettings(raw, 'run');
   const log = createLogger(settings.logLevel);
+  await checkRedis(settings.redisUrl, settings.retryForMs, raw.strict === true, log);
   const signal = onStopSignal();
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
   const crash = raw.faultCrashAfterConfirm
@@ -109,16 +115,31 @@ function watchOutage(bridge: Bridge, retryForMs: number): { failed: Promise<Brid
   return { failed, stop: () => clearInterval(timer) };
 }
 
-async function migrateCommand(raw: MigrateRawOptions): Promise<number> {
+async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Promise<number> {
   const settings = resolveMigrateSettings(raw);
   if (settings.reportPath) await checkWritable(settings.reportPath);
-  const log = createLogger((settings.routes[0] as BridgeSettings).logLevel);
+  const first = settings.routes[0] as BridgeSettings;
+  const log = createLogger(first.logLevel);
+  await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
   const signal = onStopSignal();
   const result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true);
   if (settings.reportPath) await writeReport(settings.reportPath, result.report);
   if (!settings.quiet) process.stderr.write(formatJobReport(result.report));
   for (const problem of result.problems) process.stderr.write(`dedup-bridge: ${problem}\n`);
   return result.exitCode;
+}
+
+/** Warns (or with --strict refuses) when the Redis cannot be trusted to remember IDs. */
+async function checkRedis(redisUrl: string, retryForMs: number, strict: boolean, log: Logger): Promise<void> {
+  const redis = await connectRedis(redisUrl, retryForMs, log);
+  try {
+    for (const warning of await redisSafetyWarnings(redis)) {
+      if (strict) throw new ConfigError(`--strict: ${warning}`);
+      log.warn(warning);
+    }
+  } finally {
+    redis.disconnect();
+  }
 }
 
 async function checkWritable(path: string): Promise<void> {

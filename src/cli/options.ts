@@ -96,5 +96,6 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
       new Option('--log-level <level>', `log level (default ${DEFAULTS.logLevel})`).env(
         'DEDUP_BRIDGE_LOG_LEVEL',
       ),
-    );
+    )
+    .option('--strict', 'refuse to start on a Redis that keeps nothing on disk or may evict keys');
 }

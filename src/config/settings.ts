@@ -283,3 +283,18 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     logLevel: options.logLevel,
   };
 }
+
+/** Validates a Redis URL on its own (the cache tools); throws ConfigError naming --redis. */
+export function checkRedisUrl(value: string): string {
+  const parsed = redisUrl.safeParse(value);
+  if (!parsed.success)
+    throw new ConfigError(`--redis (or DEDUP_BRIDGE_REDIS): ${parsed.error.issues[0]?.message}`);
+  return value;
+}
+
+/** Validates a dedup scope name on its own (the cache tools). */
+export function checkScope(value: string): string {
+  if (!/^[^{}\s]+$/.test(value))
+    throw new ConfigError('--scope: must be non-empty, without braces or spaces');
+  return value;
+}

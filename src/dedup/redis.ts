@@ -74,3 +74,26 @@ export async function connectRedis(url: string, retryForMs: number, log: Logger)
   connected = true;
   return redis;
 }
+
+/**
+ * What makes a Redis unsafe as the dedup record: it keeps nothing on disk (a restart forgets the
+ * IDs), or it may evict keys under memory pressure (an evicted ID is a forgotten one).
+ */
+export async function redisSafetyWarnings(redis: Redis): Promise<string[]> {
+  const warnings: string[] = [];
+  const field = (info: string, name: string) => new RegExp(`^${name}:(.*)$`, 'm').exec(info)?.[1]?.trim();
+  const persistence = await redis.info('persistence');
+  if (field(persistence, 'aof_enabled') === '0') {
+    warnings.push(
+      'Redis runs without an append-only file: a restart loses the IDs written since its last snapshot, and messages resent after that are forwarded again; run it with appendonly yes',
+    );
+  }
+  const memory = await redis.info('memory');
+  const policy = field(memory, 'maxmemory_policy');
+  if (Number(field(memory, 'maxmemory') ?? 0) > 0 && policy !== undefined && policy !== 'noeviction') {
+    warnings.push(
+      `Redis may evict keys (maxmemory-policy ${policy}): an evicted ID is forwarded again; set maxmemory-policy noeviction`,
+    );
+  }
+  return warnings;
+}

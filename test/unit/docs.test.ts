@@ -12,7 +12,7 @@ function blocks(markdown: string, language: string): string[] {
 
 /** Every long option the CLI defines, read from its source, so docs cannot drift from it. */
 function cliOptions(): Set<string> {
-  const source = read('src/cli/options.ts');
+  const source = ['src/cli/options.ts', 'src/cli/cache.ts'].map(read).join('\n');
   const defined = [...source.matchAll(/'(--[a-z-]+)[ '<]/g)].map((match) => match[1] as string);
   // The benchmark's own options (npm run bench -- …) are documented in the same README.
   const bench = [...read('bench/run.ts').matchAll(/'(--[a-z-]+)'/g)].map((match) => match[1] as string);
