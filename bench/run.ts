@@ -412,31 +412,44 @@ async function redisBytesPerId(redis: Redis): Promise<number> {
   return (after - before) / MEMORY_IDS;
 }
 
+/** `dedup-bridge run|migrate` between the bench's servers, logging warnings only. */
+function bridgeArgs(
+  command: 'run' | 'migrate',
+  source: RabbitNode,
+  target: RabbitNode,
+  redisServer: RedisServer,
+  queue: { sourceQueue: string; targetQueue: string },
+  ...extra: string[]
+): string[] {
+  return [
+    CLI,
+    command,
+    '--source',
+    source.url,
+    '--source-queue',
+    queue.sourceQueue,
+    '--target',
+    target.url,
+    '--target-queue',
+    queue.targetQueue,
+    '--redis',
+    redisServer.url,
+    '--log-level',
+    'warn',
+    ...extra,
+  ];
+}
+
 async function peakRss(source: RabbitNode, target: RabbitNode, redisServer: RedisServer): Promise<number> {
   const queue = await queues(source.url, target.url);
   const sent = await preload(source.url, queue.sourceQueue, PROFILES[0] as Profile, MESSAGES);
+  // The default prefetch, as a user runs it.
   const mover = spawn(
     process.execPath,
-    [
-      CLI,
-      'migrate',
-      '--source',
-      source.url,
-      '--source-queue',
-      queue.sourceQueue,
-      '--target',
-      target.url,
-      '--target-queue',
-      queue.targetQueue,
-      '--redis',
-      redisServer.url,
-      '--idle-timeout',
-      '200ms',
-      '--quiet',
-      '--log-level',
-      'warn',
-    ],
-    { stdio: 'ignore' },
+    bridgeArgs('migrate', source, target, redisServer, queue, '--idle-timeout', '200ms', '--quiet'),
+    {
+      stdio: 'ignore',
+    },
   );
   let peakKiB = 0;
   const timer = setInterval(() => {
@@ -477,26 +490,7 @@ async function latency(
           ],
           { stdio: 'ignore' },
         )
-      : spawn(
-          process.execPath,
-          [
-            CLI,
-            'run',
-            '--source',
-            source.url,
-            '--source-queue',
-            queue.sourceQueue,
-            '--target',
-            target.url,
-            '--target-queue',
-            queue.targetQueue,
-            '--redis',
-            redisServer.url,
-            '--log-level',
-            'warn',
-          ],
-          { stdio: 'ignore' },
-        );
+      : spawn(process.execPath, bridgeArgs('run', source, target, redisServer, queue), { stdio: 'ignore' });
   await sleep(1500);
   const consumerConnection = await amqp.connect(target.url, { noDelay: true });
   const consumer = await consumerConnection.createChannel();

@@ -48,6 +48,21 @@ export async function declareQueue(
   }
 }
 
+/** A fresh source queue and target queue on the harness's brokers. */
+export async function queuePair(): Promise<{
+  sourceUrl: string;
+  targetUrl: string;
+  source: string;
+  target: string;
+}> {
+  const { sourceUrl, targetUrl } = servers();
+  const source = uniqueName('src');
+  const target = uniqueName('dst');
+  await declareQueue(sourceUrl, source);
+  await declareQueue(targetUrl, target);
+  return { sourceUrl, targetUrl, source, target };
+}
+
 export interface OutgoingMessage {
   body: Buffer | string;
   options?: Options.Publish;

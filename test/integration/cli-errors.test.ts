@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { freePort } from '../harness/servers.js';
-import { type CliResult, declareQueue, runCli, servers, uniqueName } from '../helpers.js';
+import { type CliResult, queuePair, runCli, servers, uniqueName } from '../helpers.js';
 
 const SECRET = 's3cr3t-Pa55';
 
@@ -19,15 +19,6 @@ function expectOneLine(result: CliResult, code: number, pattern: RegExp): void {
   expect(result.stderr).not.toMatch(/\n\s+at /);
   expect(result.stdout + result.stderr).not.toContain(SECRET);
   expect(result.code).toBe(code);
-}
-
-async function queues() {
-  const { sourceUrl, targetUrl } = servers();
-  const source = uniqueName('src');
-  const target = uniqueName('dst');
-  await declareQueue(sourceUrl, source);
-  await declareQueue(targetUrl, target);
-  return { source, target };
 }
 
 function args(overrides: Record<string, string>, ...extra: string[]): string[] {
@@ -55,7 +46,7 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
   });
 
   it('wrong credentials exit 2 and say the login was refused', async () => {
-    const { source, target } = await queues();
+    const { source, target } = await queuePair();
     const result = await runCli(
       args({
         '--source': withPassword(servers().sourceUrl, SECRET),
@@ -67,7 +58,7 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
   });
 
   it('an unreachable broker exits 1 after the bounded retry', async () => {
-    const { source } = await queues();
+    const { source } = await queuePair();
     const port = await freePort();
     const started = Date.now();
     const result = await runCli(
@@ -90,7 +81,7 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
   });
 
   it('a missing source queue exits 2 and names it', async () => {
-    const { target } = await queues();
+    const { target } = await queuePair();
     const missing = uniqueName('missing');
     const result = await runCli(args({ '--source-queue': missing, '--target-queue': target }));
     expectOneLine(
@@ -101,7 +92,7 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
   });
 
   it('a missing target queue or exchange exits 2 and names it', async () => {
-    const { source } = await queues();
+    const { source } = await queuePair();
     const missing = uniqueName('missing');
     const queue = await runCli(args({ '--source-queue': source, '--target-queue': missing }));
     expectOneLine(
@@ -144,7 +135,7 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
 
   it('the environment variables configure a run, and nothing is left behind on an empty queue', async () => {
     const { sourceUrl, targetUrl, redisUrl } = servers();
-    const { source, target } = await queues();
+    const { source, target } = await queuePair();
     const result = await runCli(['migrate', '--target-queue', target, '--idle-timeout', '200ms'], {
       env: {
         DEDUP_BRIDGE_SOURCE: sourceUrl,

@@ -2,10 +2,10 @@ import { describe, expect, it } from 'vitest';
 import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
-  declareQueue,
   depthOf,
   openBroker,
   publishAll,
+  queuePair,
   runArgs,
   servers,
   startCli,
@@ -13,15 +13,6 @@ import {
   uniqueName,
   waitFor,
 } from '../helpers.js';
-
-async function queues() {
-  const { sourceUrl, targetUrl } = servers();
-  const source = uniqueName('src');
-  const target = uniqueName('dst');
-  await declareQueue(sourceUrl, source);
-  await declareQueue(targetUrl, target);
-  return { sourceUrl, targetUrl, source, target };
-}
 
 function batch(from: number, to: number, prefix = 'id') {
   return Array.from({ length: to - from }, (_, i) => ({
@@ -32,7 +23,7 @@ function batch(from: number, to: number, prefix = 'id') {
 
 describe('dedup-bridge run', () => {
   it('forwards while producers publish, and SIGTERM finishes in-flight work and exits 0', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const bridge = startCli(runArgs(source, ['--target-queue', target]));
     await publishAll(sourceUrl, source, batch(0, 1000));
     await publishAll(sourceUrl, source, batch(500, 1500)); // 500 resent
@@ -52,7 +43,7 @@ describe('dedup-bridge run', () => {
   });
 
   it('three replicas on one queue forward each message once', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const replicas = [0, 1, 2].map(() =>
       startCli(runArgs(source, ['--target-queue', target], '--prefetch', '50')),
     );
@@ -77,7 +68,7 @@ describe('dedup-bridge run', () => {
   });
 
   it('keeps unroutable messages in the source until a binding exists, then forwards them once', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const exchange = uniqueName('ex');
     const broker = await openBroker(targetUrl);
     await broker.channel.assertExchange(exchange, 'direct', { durable: true });
@@ -97,7 +88,7 @@ describe('dedup-bridge run', () => {
   });
 
   it('a second signal exits at once with 130, and nothing unconfirmed is acked', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const { redisUrl } = servers();
     // The target answers nothing through a blackholed proxy: publishes wait for confirms forever.
     const proxy = FaultProxy.forUrl(targetUrl);

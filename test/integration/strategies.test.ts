@@ -7,23 +7,14 @@ import {
   migrateWithReport,
   openBroker,
   publishAll,
-  servers,
+  queuePair,
   takeAll,
   uniqueName,
 } from '../helpers.js';
 
-async function queues() {
-  const { sourceUrl, targetUrl } = servers();
-  const source = uniqueName('src');
-  const target = uniqueName('dst');
-  await declareQueue(sourceUrl, source);
-  await declareQueue(targetUrl, target);
-  return { sourceUrl, targetUrl, source, target };
-}
-
 describe('ID strategies end to end', () => {
   it('message-id: resent messages with the same message_id arrive once, with _HQ_DUPL_ID set to it', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const messages = [];
     for (let i = 0; i < 300; i++) messages.push({ body: `m${i}`, options: { messageId: `msg-${i}` } });
     for (let i = 0; i < 300; i += 3) messages.push({ body: `m${i}`, options: { messageId: `msg-${i}` } });
@@ -48,7 +39,7 @@ describe('ID strategies end to end', () => {
   });
 
   it('content: identical payloads collapse into one; different routing keys or headers do not', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const broker = await openBroker(sourceUrl);
     await broker.channel.bindQueue(source, 'amq.direct', 'k1');
     await broker.channel.bindQueue(source, 'amq.direct', 'k2');
@@ -82,7 +73,7 @@ describe('ID strategies end to end', () => {
   });
 
   it('an ID header of an unsupported type: the next strategy decides, it is counted, nothing is lost', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const messages = [
       { body: 'table', options: { messageId: 'fallback-1', headers: { _HQ_DUPL_ID: { nested: 'x' } } } },
       { body: 'array', options: { messageId: 'fallback-2', headers: { _HQ_DUPL_ID: ['a', 'b'] } } },
@@ -111,7 +102,7 @@ describe('ID strategies end to end', () => {
   });
 
   it('a string ID and a Buffer of the same bytes are the same ID', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     await publishAll(sourceUrl, source, [
       { body: 'as text', options: { headers: { _HQ_DUPL_ID: 'order-7' } } },
       { body: 'as bytes', options: { headers: { _HQ_DUPL_ID: Buffer.from('order-7') } } },
@@ -122,7 +113,7 @@ describe('ID strategies end to end', () => {
   });
 
   it('IDs are scoped per target: the same ID to two targets is two messages', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queues();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
     const otherTarget = uniqueName('dst2');
     await declareQueue(targetUrl, otherTarget);
     const batch = [{ body: 'one', options: { headers: { _HQ_DUPL_ID: 'shared-id' } } }];
