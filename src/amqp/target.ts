@@ -1,6 +1,7 @@
 import type { ChannelModel, ConfirmChannel, Message, Options } from 'amqplib';
 import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
 import type { Logger } from '../observe/log.js';
+import { replyCodeOf } from './errors.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** What the target said about one publish. */
@@ -8,7 +9,14 @@ export type PublishOutcome =
   | 'confirmed' // stored (and routed) by the target
   | 'returned' // unroutable: no queue bound for it (basic.return, then confirmed)
   | 'nacked' // the target refused it (e.g. a queue over its length limit with reject-publish)
-  | 'lost'; // the channel went away before the confirm: the target may or may not hold it
+  | 'lost' // the connection went away before the confirm: the target may or may not hold it
+  | 'killed'; // the broker closed the channel with an error while this was in flight (maybe for it)
+
+/** How a channel ended: whether it closed, and whether the broker closed it with an error. */
+interface ChannelEnd {
+  closed: boolean;
+  byServer: boolean;
+}
 
 interface Pending {
   returned: boolean;
@@ -28,7 +36,7 @@ export class TargetPublisher {
   private drained: Promise<void> | undefined;
   private readonly pending = new Map<string, Pending>();
   /** Per channel: whether it has closed (then a failed confirm means "lost", not "nacked"). */
-  private readonly closedFlags = new WeakMap<ConfirmChannel, { closed: boolean }>();
+  private readonly closedFlags = new WeakMap<ConfirmChannel, ChannelEnd>();
   /** Called when the channel closes under us: the owner reconnects. */
   onBroken: (reason: string) => void = () => {};
 
@@ -42,9 +50,13 @@ export class TargetPublisher {
   async attach(connection: ChannelModel): Promise<void> {
     await this.checkDestination(connection);
     const channel = await connection.createConfirmChannel();
-    const flag = { closed: false };
+    const flag: ChannelEnd = { closed: false, byServer: false };
     this.closedFlags.set(channel, flag);
-    channel.on('error', (error: Error) => this.log.warn({ error: error.message }, 'target channel error'));
+    channel.on('error', (error: Error) => {
+      // The broker closes a channel with a reply code (e.g. 406 for a message over max_message_size).
+      if (replyCodeOf(error) !== undefined) flag.byServer = true;
+      this.log.warn({ error: error.message }, 'target channel error');
+    });
     channel.on('return', (message: Message) => this.markReturned(message));
     channel.on('close', () => {
       flag.closed = true;
@@ -117,7 +129,7 @@ export class TargetPublisher {
   ): Promise<PublishOutcome> {
     const channel = await this.ready();
     if (!channel) return 'lost';
-    const closed = this.closedFlags.get(channel) as { closed: boolean };
+    const closed = this.closedFlags.get(channel) as ChannelEnd;
     // The same function reads the header of a returned message, so the keys always agree.
     const matchKey = keyOfValue(options.headers?.[DUPLICATE_ID_HEADER]) ?? '';
     const pending: Pending = { returned: false };
@@ -140,7 +152,7 @@ export class TargetPublisher {
             }
             // amqplib calls back with an error both for a nack and for a closed channel; the close
             // listeners run synchronously, so by the next microtask we know which one it was.
-            queueMicrotask(() => settle(closed.closed ? 'lost' : 'nacked'));
+            queueMicrotask(() => settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked'));
           },
         );
         if (!ok && !this.drained) this.waitForDrain(channel);

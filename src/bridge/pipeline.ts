@@ -49,6 +49,8 @@ interface Entry {
   state: ClaimState | undefined;
   /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
   leading: boolean;
+  /** Times the broker closed the target channel while this message was in flight. */
+  suspect: number;
 }
 
 type Failure = 'unroutable' | 'nacked' | 'no-id';
@@ -85,6 +87,7 @@ export class Pipeline {
   private readonly retryCounts = new Map<string, number>();
   private renewTimer: NodeJS.Timeout | undefined;
   private renewing = false;
+  private suspects: Promise<void> = Promise.resolve();
   private stopping = false;
   /** Set when a stop ran out of time: publishes still waiting for the target give up. */
   private abandoned = false;
@@ -218,6 +221,7 @@ export class Pipeline {
         idValue: undefined,
         state: undefined,
         leading: false,
+        suspect: 0,
       };
       this.log.warn(
         { route: this.settings.name, strategies: this.settings.idFrom.length },
@@ -233,6 +237,7 @@ export class Pipeline {
       idValue: id.headerValue,
       state: undefined,
       leading: false,
+      suspect: 0,
     };
     const waiting = this.inFlight.get(key);
     if (waiting) {
@@ -369,13 +374,37 @@ export class Pipeline {
    */
   private async publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
     for (;;) {
-      const outcome = await this.publish(entry);
-      if (outcome !== 'lost' || this.abandoned) return outcome;
+      // A message that was in flight when the broker closed the channel goes again alone, so that
+      // a message the broker refuses that way (over its max_message_size, say) shows itself.
+      const outcome =
+        entry.suspect > 0 ? await this.alone(() => this.publish(entry)) : await this.publish(entry);
+      if (outcome === 'killed' && !this.abandoned) {
+        entry.suspect++;
+        if (entry.suspect >= 2) {
+          this.log.warn(
+            { route: this.settings.name },
+            'the target closed its channel for this message twice, the second time alone: it is refused',
+          );
+          return 'nacked';
+        }
+      } else if (outcome !== 'lost' || this.abandoned) {
+        return outcome === 'killed' ? 'lost' : outcome;
+      }
       if (entry.state !== 'in-doubt') {
         entry.state = 'in-doubt';
         this.counters.resentInDoubt++;
       }
     }
+  }
+
+  /** Runs publishes of suspect messages one at a time. */
+  private alone<T>(work: () => Promise<T>): Promise<T> {
+    const turn = this.suspects.then(work, work);
+    this.suspects = turn.then(
+      () => undefined,
+      () => undefined,
+    );
+    return turn;
   }
 
   private publish(entry: Entry): Promise<PublishOutcome> {

@@ -1,5 +1,6 @@
+import amqp from 'amqplib';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { uniqueName } from '../helpers.js';
+import { migrateWithReport, uniqueName } from '../helpers.js';
 import {
   ChaosWorld,
   declare,
@@ -287,5 +288,60 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     expectOnceAndOnlyOnce(result, 1);
     // A blocked target only delays: nothing is in doubt.
     expect(result.duplicates).toBe(0);
+  });
+
+  it('a message the target refuses by closing its channel (over max_message_size) is parked; the rest arrive once', async () => {
+    await world.target.ctl('eval', 'application:set_env(rabbit, max_message_size, 65536).');
+    try {
+      const { sourceQueue, targetQueue } = await queues('poison');
+      const park = uniqueName('poison-park');
+      await declare(world.source.url, park);
+      const connection = await amqp.connect(world.source.url);
+      const channel = await connection.createConfirmChannel();
+      const ids: string[] = [];
+      for (let i = 0; i < 300; i++) {
+        const poison = i === 150;
+        const id = poison ? 'poison-big' : `poison-${i}`;
+        if (!poison) ids.push(id);
+        channel.sendToQueue(sourceQueue, Buffer.alloc(poison ? 200_000 : 100, 'x'), {
+          persistent: true,
+          headers: { _HQ_DUPL_ID: id },
+        });
+      }
+      await channel.waitForConfirms();
+      await connection.close();
+      const started = Date.now();
+      const run = await migrateWithReport([
+        'migrate',
+        '--source',
+        world.source.url,
+        '--source-queue',
+        sourceQueue,
+        '--target',
+        world.target.url,
+        '--target-queue',
+        targetQueue,
+        '--redis',
+        world.redisAof.url,
+        '--park-queue',
+        park,
+        '--idle-timeout',
+        '500ms',
+        '--log-level',
+        'silent',
+      ]);
+      expect(run.code, run.stderr).toBe(0);
+      expect(run.report).toMatchObject({ parked: 1, forwarded: 299, nacked: 1 });
+      const copies = await drainTarget(world.target.url, targetQueue);
+      const result = score('poison message', 'dedup-bridge', ids, copies, 1, started);
+      result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+      results.push(result);
+      expect(result.lost).toBe(0);
+      expect(result.unflagged).toBe(0);
+      expect(result.afterConsumer).toBe(0);
+      expect(await totalMessages(world.source, park)).toBe(1);
+    } finally {
+      await world.target.ctl('eval', 'application:set_env(rabbit, max_message_size, 134217728).');
+    }
   });
 });
