@@ -1,0 +1,93 @@
+import { describe, expect, it } from 'vitest';
+import { FaultProxy } from '../harness/proxy.js';
+import {
+  depthOf,
+  migrateWithReport,
+  openBroker,
+  publishAll,
+  queuePair,
+  servers,
+  startCli,
+  takeAll,
+  waitFor,
+} from '../helpers.js';
+
+describe('recovery limits', () => {
+  it('migrate gives up after --retry-for when the target stays away mid-run: exit 1, nothing lost', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const { redisUrl } = servers();
+    const messages = Array.from({ length: 2000 }, (_, i) => ({
+      body: `m${i}`,
+      options: { headers: { _HQ_DUPL_ID: `${source}-${i}` } },
+    }));
+    await publishAll(sourceUrl, source, messages);
+    const proxy = FaultProxy.forUrl(targetUrl);
+    await proxy.start();
+    // Slow the target down so the outage lands mid-transfer.
+    proxy.setDelay(20);
+    const run = migrateWithReport([
+      'migrate',
+      '--source',
+      sourceUrl,
+      '--source-queue',
+      source,
+      '--target',
+      proxy.urlFor(targetUrl),
+      '--target-queue',
+      target,
+      '--redis',
+      redisUrl,
+      '--retry-for',
+      '2s',
+      '--prefetch',
+      '50',
+    ]);
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) > 0)).toBe(true);
+    await proxy.stop();
+    const result = await run;
+    expect(result.code).toBe(1);
+    expect(result.stderr).toMatch(
+      /target broker at .* unreachable for \ds \(--retry-for\); nothing unforwarded was acked/,
+    );
+    // Every message is on the target or still in the source; the in-flight ones may be on both.
+    const arrived = new Set(
+      (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    const left = new Set(
+      (await takeAll(sourceUrl, source)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    const lost = messages.filter(
+      (m) => !arrived.has(m.options.headers._HQ_DUPL_ID) && !left.has(m.options.headers._HQ_DUPL_ID),
+    );
+    expect(lost).toHaveLength(0);
+    expect(left.size).toBeGreaterThan(0);
+  });
+
+  it('a source queue deleted under a running bridge ends it with one line and exit 2', async () => {
+    const { sourceUrl, source, target } = await queuePair();
+    const { targetUrl, redisUrl } = servers();
+    const bridge = startCli([
+      'run',
+      '--source',
+      sourceUrl,
+      '--source-queue',
+      source,
+      '--target',
+      targetUrl,
+      '--target-queue',
+      target,
+      '--redis',
+      redisUrl,
+    ]);
+    expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'))).toBe(true);
+    const broker = await openBroker(sourceUrl);
+    await broker.channel.deleteQueue(source);
+    await broker.close();
+    const result = await bridge.done;
+    expect(result.code).toBe(2);
+    expect(result.stderr.trim().split('\n')).toHaveLength(1);
+    expect(result.stderr).toMatch(
+      new RegExp(`--source-queue: queue "${source}" does not exist on the source broker`),
+    );
+  });
+});
