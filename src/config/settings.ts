@@ -77,6 +77,9 @@ export interface BridgeSettings {
   logLevel: LogLevel;
 }
 
+/** A dedup scope goes inside the key's {hash tag}: no braces, no spaces. */
+const SCOPE_PATTERN = /^[^{}\s]+$/;
+
 /** Which flag (and variable) sets each field, for error messages. */
 const FLAG: Record<string, string> = {
   source: '--source (or DEDUP_BRIDGE_SOURCE)',
@@ -142,10 +145,7 @@ const rawSchema = z
     targetRoutingKey: z.string().optional(),
     redis: redisUrl,
     redisPrefix: z.string().regex(/^[^{}:\s]+$/, 'must be non-empty, without braces, colons or spaces'),
-    scope: z
-      .string()
-      .regex(/^[^{}\s]+$/, 'must be non-empty, without braces or spaces')
-      .optional(),
+    scope: z.string().regex(SCOPE_PATTERN, 'must be non-empty, without braces or spaces').optional(),
     prefetch: count(1, 65535),
     batchSize: count(1, 5000),
     onUnroutable: z.enum(['requeue', 'dead-letter', 'park'], {
@@ -294,7 +294,7 @@ export function checkRedisUrl(value: string): string {
 
 /** Validates a dedup scope name on its own (the cache tools). */
 export function checkScope(value: string): string {
-  if (!/^[^{}\s]+$/.test(value))
+  if (!SCOPE_PATTERN.test(value))
     throw new ConfigError('--scope: must be non-empty, without braces or spaces');
   return value;
 }

@@ -67,15 +67,17 @@ export async function dryRunQueue(
       if (rejected.length > 0) counters.badIdHeader++;
       return id ? cacheKey(settings.redisPrefix, settings.scope, id.key) : undefined;
     });
-    const known =
-      keys.length > 0 ? await redis.mget(...keys.map((key) => key ?? `${settings.redisPrefix}:none`)) : [];
-    keys.forEach((key, index) => {
+    // Only real keys go to Redis: they share the scope's hash slot, as the bridge's scripts need.
+    const withId = keys.filter((key): key is string => key !== undefined);
+    const values = withId.length > 0 ? await redis.mget(...withId) : [];
+    const committed = new Set(withId.filter((_, index) => values[index] === 'd'));
+    for (const key of keys) {
       counters.consumed++;
       if (key === undefined) counters.noId++;
-      else if (known[index] === 'd' || seen.has(key)) counters.duplicates++;
+      else if (committed.has(key) || seen.has(key)) counters.duplicates++;
       else counters.forwarded++;
       if (key !== undefined) seen.add(key);
-    });
+    }
     // Closing the channel gives every message back to the queue, in its order.
     await channel.close();
     const report = buildQueueReport({

@@ -101,7 +101,7 @@ export async function migrateQueue(
     }
   }
 
-  const unfinished = await bridge.stop(outcome === 'failed' ? 0 : shutdownTimeout(settings));
+  const unfinished = await bridge.stop(outcome === 'failed' ? 0 : settings.shutdownTimeoutMs);
   if (unfinished > 0) {
     control.log.warn(
       { queue: settings.sourceQueue, unfinished },
@@ -111,7 +111,7 @@ export async function migrateQueue(
   await source.closeConsumer();
   const remaining = await settledDepth(bridge);
   progress.depth = remaining;
-  await closeQuietly(bridge);
+  await bridge.close().catch(() => {});
   let deleted = false;
   if (outcome === 'drained' && control.deleteSourceWhenEmpty) {
     deleted = await deleteIfEmpty(settings, control.log);
@@ -127,14 +127,6 @@ export async function migrateQueue(
     activeMs: pipeline.counters.consumed > 0 ? pipeline.lastProgress - started : Date.now() - started,
   });
   return { report, problem, failureCode: outcome === 'failed' ? (failure?.exitCode ?? 1) : undefined };
-}
-
-function shutdownTimeout(settings: BridgeSettings): number {
-  return settings.shutdownTimeoutMs;
-}
-
-async function closeQuietly(bridge: Bridge): Promise<void> {
-  await bridge.close().catch(() => {});
 }
 
 /**

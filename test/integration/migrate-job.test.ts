@@ -112,14 +112,12 @@ describe('migrate: the scheduled job', () => {
     await broker.close();
   });
 
-  it('deletes a source queue only if it is still empty (if-empty)', async () => {
+  it('does not delete a source queue that still holds messages, even with the flag', async () => {
     const { sourceUrl, targetUrl } = servers();
     const queue = uniqueName('busy');
     await declareQueue(sourceUrl, queue);
     await declareQueue(targetUrl, queue);
-    // A consumer-less producer keeps adding after the drain would be detected: simulate by a
-    // message that cannot be forwarded (unroutable), parked back into the same source queue is not
-    // allowed; instead use --max-messages so the job stops with messages left.
+    // The job stops at --max-messages with messages left: the flag must not delete the queue.
     await publishAll(
       sourceUrl,
       queue,

@@ -6,6 +6,7 @@ import {
   openBroker,
   publishAll,
   queuePair,
+  runArgs,
   servers,
   startCli,
   takeAll,
@@ -65,20 +66,7 @@ describe('recovery limits', () => {
 
   it('a source queue deleted under a running bridge ends it with one line and exit 2', async () => {
     const { sourceUrl, source, target } = await queuePair();
-    const { targetUrl, redisUrl } = servers();
-    const bridge = startCli([
-      'run',
-      '--source',
-      sourceUrl,
-      '--source-queue',
-      source,
-      '--target',
-      targetUrl,
-      '--target-queue',
-      target,
-      '--redis',
-      redisUrl,
-    ]);
+    const bridge = startCli(runArgs(source, ['--target-queue', target]));
     expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'))).toBe(true);
     const broker = await openBroker(sourceUrl);
     await broker.channel.deleteQueue(source);

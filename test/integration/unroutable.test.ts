@@ -124,7 +124,7 @@ describe('unroutable messages are never lost', () => {
     const { sourceUrl } = servers();
     const dlq = uniqueName('dlq');
     await declareQueue(sourceUrl, dlq);
-    const { source, target } = await setup({
+    const { source } = await setup({
       arguments: { 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': dlq },
     });
     const missing = uniqueName('no-such-queue');
@@ -140,11 +140,10 @@ describe('unroutable messages are never lost', () => {
     expect(run.report).toMatchObject({ forwarded: 0, deadLettered: 10 });
     expect(await depthOf(sourceUrl, dlq)).toBe(10);
     expect(await depthOf(sourceUrl, source)).toBe(0);
-    expect(target).toBeTruthy();
   });
 
   it('an unroutable message whose ID is re-encoded as a key (long, or prefix-like) is still recognised as returned', async () => {
-    const { sourceUrl, targetUrl } = servers();
+    const { sourceUrl } = servers();
     const source = uniqueName('src');
     const park = uniqueName('park');
     await declareQueue(sourceUrl, source);
@@ -164,6 +163,5 @@ describe('unroutable messages are never lost', () => {
     expect((await takeAll(sourceUrl, park)).map((m) => m.properties.messageId).sort()).toEqual(
       [...ids].sort(),
     );
-    expect(targetUrl).toBeTruthy();
   });
 });
