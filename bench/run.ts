@@ -6,7 +6,7 @@ import { readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
-import { cacheKey, DedupCache } from '../src/dedup/cache.js';
+import { DedupCache } from '../src/dedup/cache.js';
 import { cleanLeftovers, newRunDir, RabbitNode, RedisServer } from '../test/harness/servers.js';
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url));
@@ -265,6 +265,7 @@ function startMover(
   queue: { sourceQueue: string; targetQueue: string },
   count: number,
   sourceNode: RabbitNode,
+  scope?: string,
 ): ChildProcess | string {
   if (system === 'dedup-bridge') {
     return spawn(
@@ -288,6 +289,7 @@ function startMover(
         '200ms',
         '--log-level',
         'warn',
+        ...(scope ? ['--scope', scope] : []),
         '--quiet',
         '--job-name',
         `bench-${queue.sourceQueue}`,
@@ -349,12 +351,13 @@ async function measure(
   source: RabbitNode,
   target: RabbitNode,
   redis: RedisServer,
+  scope?: string,
 ): Promise<number> {
   const queue = await queues(source.url, target.url);
   const sent = await preload(source.url, queue.sourceQueue, profile, count);
   const deduplicates = system === 'dedup-bridge';
   const expected = deduplicates ? sent.size : count;
-  const mover = startMover(system, source.url, target.url, redis.url, queue, count, source);
+  const mover = startMover(system, source.url, target.url, redis.url, queue, count, source, scope);
   const ms = await timeArrivals(target.url, queue.targetQueue, expected, 300_000);
   await stopMover(mover, source);
   if ((await depth(source.url, queue.sourceQueue)) !== 0 && system !== 'dedup-bridge') {
@@ -398,12 +401,17 @@ async function redisCommandsPerMessage(
 /** Commits `MEMORY_IDS` 36-character IDs through the cache scripts and reads used_memory. */
 async function redisBytesPerId(redis: Redis): Promise<number> {
   const used = async () => Number(/used_memory:(\d+)/.exec(await redis.info('memory'))?.[1]);
-  const cache = new DedupCache(redis, { token: 'bench', leaseMs: 30_000, windowMs: 86_400_000 });
+  const cache = await DedupCache.open(redis, {
+    token: 'bench',
+    leaseMs: 30_000,
+    windowMs: 86_400_000,
+    prefix: 'dedup',
+    scope: `memory-${process.pid}`,
+  });
   const before = await used();
-  const scope = `memory-${process.pid}`;
   for (let i = 0; i < MEMORY_IDS; i += 500) {
     const keys = Array.from({ length: Math.min(500, MEMORY_IDS - i) }, (_, j) =>
-      cacheKey('dedup', scope, `${String(i + j).padStart(8, '0')}-0000-4000-8000-000000000000`),
+      cache.keyOf(`${String(i + j).padStart(8, '0')}-0000-4000-8000-000000000000`),
     );
     await cache.claim(keys);
     await cache.commit(keys);
@@ -549,17 +557,24 @@ async function fullCacheThroughput(
   for (let round = 0; round < ROUNDS; round++) {
     empty.push(await measure('dedup-bridge', PROFILES[0] as Profile, MESSAGES, source, target, redisServer));
   }
-  // A million committed IDs of other messages in the same Redis (lookups are per key, so which
-  // scope they sit in does not matter; the keyspace and memory do).
-  for (let i = 0; i < CACHE_IDS; i += 10_000) {
-    const pipeline = redis.pipeline();
-    for (let j = i; j < Math.min(CACHE_IDS, i + 10_000); j++) {
-      pipeline.set(cacheKey('dedup', 'bench-preloaded', `old-${j}`), 'd', 'PX', 86_400_000);
-    }
-    await pipeline.exec();
+  // A million committed IDs of other messages in the scope the full rounds forward into, so that
+  // every lookup walks a scope that large (the bridge's default window, so the same layout).
+  const scope = `bench-full-${process.pid}`;
+  const cache = await DedupCache.open(redis, {
+    token: 'bench',
+    leaseMs: 30_000,
+    windowMs: 7 * 86_400_000,
+    prefix: 'dedup',
+    scope,
+  });
+  for (let i = 0; i < CACHE_IDS; i += 1000) {
+    const keys = Array.from({ length: Math.min(1000, CACHE_IDS - i) }, (_, j) => cache.keyOf(`old-${i + j}`));
+    await cache.commit(keys);
   }
   for (let round = 0; round < ROUNDS; round++) {
-    full.push(await measure('dedup-bridge', PROFILES[0] as Profile, MESSAGES, source, target, redisServer));
+    full.push(
+      await measure('dedup-bridge', PROFILES[0] as Profile, MESSAGES, source, target, redisServer, scope),
+    );
   }
   return { empty: median(empty), full: median(full) };
 }

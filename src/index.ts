@@ -17,7 +17,7 @@ export {
   type UnitMessage,
 } from './client/unit.js';
 export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
-export { cacheKey, DedupCache } from './dedup/cache.js';
+export { DedupCache } from './dedup/cache.js';
 export { DUPLICATE_ID_HEADER, deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
 export {
   BridgeError,

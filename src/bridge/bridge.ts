@@ -70,6 +70,7 @@ export async function startBridge(
   target.onBroken = (reason) => targetLink.reset(reason);
 
   let redis: Redis | undefined;
+  let cache: DedupCache;
   const closeAll = async () => {
     target.close();
     await Promise.allSettled([sourceLink.close(), targetLink.close()]);
@@ -77,6 +78,14 @@ export async function startBridge(
   };
   try {
     redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog);
+    cache = await DedupCache.open(redis, {
+      token: newOwnerToken(),
+      leaseMs: settings.leaseMs,
+      windowMs: settings.dedupWindowMs,
+      prefix: settings.redisPrefix,
+      scope: settings.scope,
+      shards: settings.cacheShards,
+    });
     await sourceLink.start();
     await targetLink.start();
   } catch (error) {
@@ -92,11 +101,6 @@ export async function startBridge(
     redisDownSince = undefined;
   });
 
-  const cache = new DedupCache(redis, {
-    token: newOwnerToken(),
-    leaseMs: settings.leaseMs,
-    windowMs: settings.dedupWindowMs,
-  });
   const pipeline = new Pipeline(
     {
       name: settings.sourceQueue,

@@ -3,7 +3,7 @@ import { backoffDelay, sleep } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
 import { publishOptionsOf, type SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
-import { type ClaimState, cacheKey, type DedupCache } from '../dedup/cache.js';
+import type { ClaimState, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import type { Logger } from '../observe/log.js';
 import { newCounters, type RouteCounters } from './counters.js';
@@ -230,7 +230,7 @@ export class Pipeline {
       this.track(this.handleFailure(entry, 'no-id'));
       return;
     }
-    const key = cacheKey(this.settings.redisPrefix, this.settings.scope, id.key);
+    const key = this.cache.keyOf(id.key);
     const entry: Entry = {
       message,
       key,

@@ -84,6 +84,10 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
     )
     .option('--prefetch <n>', `unacked source messages in flight (default ${DEFAULTS.prefetch})`)
     .option('--batch-size <n>', `IDs per cache call (default ${DEFAULTS.batchSize})`)
+    .option(
+      '--cache-shards <n>',
+      'Redis Cluster slots a new scope is spread over (default auto: 16 on a Cluster, else 1)',
+    )
     .option('--lease <duration>', `claim lease, renewed while in flight (default ${DEFAULTS.lease})`)
     .option('--on-unroutable <policy>', 'requeue (default), dead-letter, or park (with --park-queue)')
     .option('--park-queue <name>', 'move unroutable messages to this queue on the source broker')

@@ -2,7 +2,7 @@ import type { Channel, ConsumeMessage } from 'amqplib';
 import type { ChainableCommander, Redis } from 'ioredis';
 import { backoffDelay, sleep } from '../amqp/backoff.js';
 import { IN_DOUBT_HEADER } from '../bridge/pipeline.js';
-import { cacheKey, DedupCache, newOwnerToken } from '../dedup/cache.js';
+import { DedupCache, newOwnerToken } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
 
 export interface HandlerContext {
@@ -57,10 +57,12 @@ export async function createIdempotentConsumer(
   const { channel, queue, redis, scope, handler } = options;
   const prefix = options.prefix ?? 'dedup';
   const leaseMs = options.leaseMs ?? 30_000;
-  const cache = new DedupCache(redis, {
+  const cache = await DedupCache.open(redis, {
     token: newOwnerToken(),
     leaseMs,
     windowMs: options.windowMs ?? 7 * 86_400_000,
+    prefix,
+    scope,
   });
   const counts = { processed: 0, duplicates: 0, failures: 0, withoutId: 0 };
   const attempts = new Map<string, number>();
@@ -74,7 +76,7 @@ export async function createIdempotentConsumer(
       await runHandler(message, undefined, idKey);
       return;
     }
-    const key = cacheKey(prefix, scope, idKey);
+    const key = cache.keyOf(idKey);
     // One copy of an ID at a time in this process: later copies wait for its outcome.
     for (let earlier = inFlight.get(key); earlier; earlier = inFlight.get(key)) await earlier;
     let done: () => void = () => {};

@@ -14,6 +14,7 @@ export const DEFAULTS = {
   dedupWindow: '7d',
   prefetch: 500,
   batchSize: 200,
+  cacheShards: 'auto',
   lease: '15s',
   onUnroutable: 'requeue' as UnroutablePolicy,
   requeueDelay: '1s',
@@ -40,6 +41,7 @@ export interface RawOptions {
   dedupWindow?: string;
   prefetch?: string;
   batchSize?: string;
+  cacheShards?: string;
   lease?: string;
   onUnroutable?: string;
   parkQueue?: string;
@@ -68,6 +70,8 @@ export interface BridgeSettings {
   dedupWindowMs: number;
   prefetch: number;
   batchSize: number;
+  /** Slot shards of a new scope (see DedupCache); 'auto' is 16 on a Redis Cluster, else 1. */
+  cacheShards: number | 'auto';
   leaseMs: number;
   onUnroutable: UnroutablePolicy;
   parkQueue: string | undefined;
@@ -93,6 +97,7 @@ const FLAG: Record<string, string> = {
   scope: '--scope',
   prefetch: '--prefetch',
   batchSize: '--batch-size',
+  cacheShards: '--cache-shards',
   onUnroutable: '--on-unroutable',
   parkQueue: '--park-queue',
   logLevel: '--log-level',
@@ -148,6 +153,9 @@ const rawSchema = z
     scope: z.string().regex(SCOPE_PATTERN, 'must be non-empty, without braces or spaces').optional(),
     prefetch: count(1, 65535),
     batchSize: count(1, 5000),
+    cacheShards: z.union([z.literal('auto'), count(1, 1024)], {
+      error: 'must be auto or a whole number from 1 to 1024',
+    }),
     onUnroutable: z.enum(['requeue', 'dead-letter', 'park'], {
       error: 'must be requeue, dead-letter or park',
     }),
@@ -230,6 +238,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     scope: raw.scope,
     prefetch: raw.prefetch ?? String(DEFAULTS.prefetch),
     batchSize: raw.batchSize ?? String(DEFAULTS.batchSize),
+    cacheShards: raw.cacheShards ?? DEFAULTS.cacheShards,
     onUnroutable,
     parkQueue: raw.parkQueue,
     logLevel: raw.logLevel ?? DEFAULTS.logLevel,
@@ -268,6 +277,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     dedupWindowMs,
     prefetch: options.prefetch,
     batchSize: options.batchSize,
+    cacheShards: options.cacheShards,
     leaseMs,
     onUnroutable: options.onUnroutable,
     parkQueue: options.parkQueue,

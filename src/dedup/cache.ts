@@ -1,6 +1,7 @@
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { ChainableCommander, Redis } from 'ioredis';
+import { ConfigError } from '../errors.js';
 
 export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
 export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
@@ -8,11 +9,20 @@ export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
 const CLAIM_STATES: readonly ClaimState[] = ['new', 'dup', 'busy', 'in-doubt'];
 const COMMIT_RESULTS: readonly CommitResult[] = ['committed', 'committed', 'already', 'taken', 'restored'];
 
-const SCRIPTS = ['claim', 'commit', 'release', 'renew'] as const;
-type ScriptName = (typeof SCRIPTS)[number];
+// Scripts that read or write committed IDs get the shared committed.lua functions in front.
+const SCRIPTS = {
+  claim: true,
+  commit: true,
+  release: false,
+  renew: false,
+  lookup: true,
+  forget: true,
+} as const;
+type ScriptName = keyof typeof SCRIPTS;
 
 function loadScript(name: ScriptName): string {
-  return readFileSync(new URL(`./lua/${name}.lua`, import.meta.url), 'utf8');
+  const read = (file: string) => readFileSync(new URL(`./lua/${file}.lua`, import.meta.url), 'utf8');
+  return SCRIPTS[name] ? `${read('committed')}\n${read(name)}` : read(name);
 }
 
 /** A token that names this process as the owner of its claims; never contains ':'. */
@@ -20,38 +30,126 @@ export function newOwnerToken(): string {
   return randomBytes(9).toString('base64url').replace(/[-_]/g, 'x');
 }
 
-/** Builds `<prefix>:{<scope>}:<id>`; the braces keep one scope in one Redis Cluster slot. */
-export function cacheKey(prefix: string, scope: string, idKey: string): string {
-  return `${prefix}:{${scope}}:${idKey}`;
+/**
+ * How a scope's records are laid out, fixed when the scope is first written (a reader with
+ * another layout would not find the IDs): how many Redis Cluster slots they are spread over, and
+ * how much commit time one slice of committed IDs covers.
+ */
+export interface CacheLayout {
+  shards: number;
+  sliceMs: number;
+}
+
+/** Slot shards of a new scope on a Redis Cluster: enough to spread a busy scope over the masters. */
+export const CLUSTER_SHARDS = 16;
+const MIN_SLICE_MS = 60_000;
+const MAX_SLICE_MS = 86_400_000;
+
+/** A quarter of the window, within [1 min, 1 day]: IDs are kept up to one slice past the window. */
+export function sliceLengthFor(windowMs: number): number {
+  return Math.min(MAX_SLICE_MS, Math.max(MIN_SLICE_MS, Math.round(windowMs / 4)));
+}
+
+function layoutKey(prefix: string, scope: string): string {
+  return `${prefix}:{${scope}}:layout`;
+}
+
+function formatLayout(layout: CacheLayout): string {
+  return `v1 shards=${layout.shards} slice=${layout.sliceMs}`;
+}
+
+function parseLayout(value: string, where: string): CacheLayout {
+  const match = /^v1 shards=(\d+) slice=(\d+)$/.exec(value);
+  if (!match) {
+    throw new ConfigError(
+      `${where} holds "${value}", not a layout this version understands; is --redis-prefix shared with something else?`,
+    );
+  }
+  return { shards: Number(match[1]), sliceMs: Number(match[2]) };
+}
+
+/**
+ * The key tag of one slot shard of a scope. A scope has no spaces, so `{<scope> <n>}` never
+ * equals another scope's tag.
+ */
+function baseOf(prefix: string, scope: string, shard: number, shards: number): string {
+  return shards === 1 ? `${prefix}:{${scope}}` : `${prefix}:{${scope} ${shard}}`;
+}
+
+interface Digest {
+  /** 96 bits that stand for the ID in the committed hashes. */
+  field: Buffer;
+  /** Picks the bucket within a generation. */
+  bucket: number;
+  /** Picks the slot shard. */
+  shard: number;
+}
+
+function digestOf(idKey: string): Digest {
+  const sha = createHash('sha1').update(idKey).digest();
+  return { field: sha.subarray(0, 12), bucket: sha.readUInt32BE(12), shard: sha.readUInt32BE(16) };
+}
+
+const CLAIM_MARK = ':c:';
+
+/** Splits a claim key `<base>:c:<idKey>` (the base ends at the first '}'). */
+function splitKey(key: string): { base: string; idKey: string } {
+  const end = key.indexOf('}') + 1;
+  return { base: key.slice(0, end), idKey: key.slice(end + CLAIM_MARK.length) };
+}
+
+/** Per key: its digest's field and bucket number, as the scripts take them after their fixed ARGV. */
+function digestArgs(keys: readonly string[]): (Buffer | number)[] {
+  const args: (Buffer | number)[] = [];
+  for (const key of keys) {
+    const digest = digestOf(splitKey(key).idKey);
+    args.push(digest.field, digest.bucket);
+  }
+  return args;
 }
 
 export interface DedupCacheOptions {
   token: string;
   leaseMs: number;
   windowMs: number;
+  prefix: string;
+  scope: string;
+  /**
+   * Slot shards for a scope not written yet: a number, or 'auto' (default: CLUSTER_SHARDS on a
+   * Redis Cluster, else 1). A scope already written keeps its layout; a different number given
+   * explicitly is an error.
+   */
+  shards?: number | 'auto';
 }
 
-type ScriptCall = (numKeys: number, ...args: (string | number)[]) => Promise<number[]>;
+export interface IdRecord {
+  state: 'unknown' | 'committed' | 'claimed';
+  /** Time before the record expires, in ms; -2 when there is none. */
+  ttlMs: number;
+  /** The claim value (claimed only): c:<owner>:<lease expiry ms>:<in-doubt flag>. */
+  claim: string;
+}
+
+type Arg = string | number | Buffer;
+type ScriptCall = (numKeys: number, ...args: Arg[]) => Promise<unknown>;
 
 /**
  * The shared record of which IDs the target holds (committed) and which are being forwarded
- * (claimed). Each method takes a whole batch of keys from one scope in one script call.
+ * (claimed), for one scope. Each method takes a batch of claim keys (from `keyOf`) and makes one
+ * script call per slot shard among them.
  */
 export class DedupCache {
   readonly token: string;
-  private readonly leaseMs: number;
-  private readonly windowMs: number;
   private readonly scripts: Record<ScriptName, ScriptCall>;
 
-  constructor(
+  private constructor(
     readonly redis: Redis,
-    options: DedupCacheOptions,
+    private readonly options: DedupCacheOptions,
+    readonly layout: CacheLayout,
   ) {
     this.token = options.token;
-    this.leaseMs = options.leaseMs;
-    this.windowMs = options.windowMs;
     const calls = {} as Record<ScriptName, ScriptCall>;
-    for (const name of SCRIPTS) {
+    for (const name of Object.keys(SCRIPTS) as ScriptName[]) {
       const command = `dedupBridge_${name}`;
       if (!(command in redis)) redis.defineCommand(command, { lua: loadScript(name) });
       const call = (redis as unknown as Record<string, ScriptCall>)[command] as ScriptCall;
@@ -60,38 +158,170 @@ export class DedupCache {
     this.scripts = calls;
   }
 
+  /** Reads the scope's layout, or records one for a new scope, and returns the cache. */
+  static async open(redis: Redis, options: DedupCacheOptions): Promise<DedupCache> {
+    const key = layoutKey(options.prefix, options.scope);
+    const cluster = (redis as unknown as { isCluster?: boolean }).isCluster === true;
+    const wanted: CacheLayout = {
+      shards:
+        options.shards === undefined || options.shards === 'auto'
+          ? cluster
+            ? CLUSTER_SHARDS
+            : 1
+          : options.shards,
+      sliceMs: sliceLengthFor(options.windowMs),
+    };
+    await redis.set(key, formatLayout(wanted), 'NX');
+    const stored = await redis.get(key);
+    const layout = stored === null ? wanted : parseLayout(stored, key);
+    if (typeof options.shards === 'number' && options.shards !== layout.shards) {
+      throw new ConfigError(
+        `--cache-shards: scope "${options.scope}" is stored over ${layout.shards} shard(s); keep that number (with another, the IDs it remembers would not be found)`,
+      );
+    }
+    return new DedupCache(redis, options, layout);
+  }
+
+  /** For the cache tools: the scope's layout if it was ever written, without creating one. */
+  static async existing(
+    redis: Redis,
+    options: Omit<DedupCacheOptions, 'token' | 'leaseMs'>,
+  ): Promise<DedupCache | undefined> {
+    const stored = await redis.get(layoutKey(options.prefix, options.scope));
+    if (stored === null) return undefined;
+    const layout = parseLayout(stored, layoutKey(options.prefix, options.scope));
+    return new DedupCache(redis, { ...options, token: 'tools', leaseMs: 1000 }, layout);
+  }
+
+  /** The claim key of an ID (its key form from dedup/id); it also names the ID to the other methods. */
+  keyOf(idKey: string): string {
+    const shard = digestOf(idKey).shard % this.layout.shards;
+    return `${baseOf(this.options.prefix, this.options.scope, shard, this.layout.shards)}${CLAIM_MARK}${idKey}`;
+  }
+
+  /** Every slot shard's base, for tools that walk the whole scope. */
+  bases(): string[] {
+    return Array.from({ length: this.layout.shards }, (_, shard) =>
+      baseOf(this.options.prefix, this.options.scope, shard, this.layout.shards),
+    );
+  }
+
   async claim(keys: readonly string[]): Promise<ClaimState[]> {
-    if (keys.length === 0) return [];
-    const reply = await this.scripts.claim(keys.length, ...keys, this.token, this.leaseMs, this.windowMs);
-    return reply.map((code) => CLAIM_STATES[code] as ClaimState);
+    const { leaseMs, windowMs } = this.options;
+    const codes = await this.perShard(keys, (base, group) =>
+      this.scripts.claim(
+        group.length,
+        ...group,
+        this.token,
+        leaseMs,
+        windowMs,
+        this.layout.sliceMs,
+        base,
+        ...digestArgs(group),
+      ),
+    );
+    return codes.map((code) => CLAIM_STATES[code as number] as ClaimState);
   }
 
   async commit(keys: readonly string[]): Promise<CommitResult[]> {
-    if (keys.length === 0) return [];
-    const reply = await this.scripts.commit(keys.length, ...keys, this.token, this.windowMs);
-    return reply.map((code) => COMMIT_RESULTS[code] as CommitResult);
+    const codes = await this.perShard(keys, (base, group) =>
+      this.scripts.commit(group.length, ...this.commitArgs(base, group)),
+    );
+    return codes.map((code) => COMMIT_RESULTS[code as number] as CommitResult);
+  }
+
+  /** Queues the commit of `keys` on a MULTI, so it lands with the caller's own writes or not at all. */
+  commitIn(transaction: ChainableCommander, keys: readonly string[]): void {
+    const queue = transaction as unknown as Record<string, (...args: Arg[]) => unknown>;
+    for (const [base, group] of this.groups(keys)) {
+      queue.dedupBridge_commit?.(group.keys.length, ...this.commitArgs(base, group.keys));
+    }
   }
 
   /**
    * Gives up our claims. With `keepInDoubt` the claim stays, expired and flagged, so whoever
    * claims the ID next (we included) forwards it flagged in-doubt.
    */
-  /** Queues the commit of `keys` on a MULTI, so it lands with the caller's own writes or not at all. */
-  commitIn(transaction: ChainableCommander, keys: readonly string[]): void {
-    const queue = transaction as unknown as Record<string, (...args: (string | number)[]) => unknown>;
-    queue.dedupBridge_commit?.(keys.length, ...keys, this.token, this.windowMs);
-  }
-
   async release(keys: readonly string[], options: { keepInDoubt?: boolean } = {}): Promise<number> {
-    if (keys.length === 0) return 0;
     const mode = options.keepInDoubt ? 'doubt' : 'drop';
-    const reply = await this.scripts.release(keys.length, ...keys, this.token, mode);
-    return reply.reduce((sum, code) => sum + code, 0);
+    const codes = await this.perShard(keys, (_, group) =>
+      this.scripts.release(group.length, ...group, this.token, mode),
+    );
+    return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
 
   async renew(keys: readonly string[]): Promise<number> {
-    if (keys.length === 0) return 0;
-    const reply = await this.scripts.renew(keys.length, ...keys, this.token, this.leaseMs);
-    return reply.reduce((sum, code) => sum + code, 0);
+    const codes = await this.perShard(keys, (_, group) =>
+      this.scripts.renew(group.length, ...group, this.token, this.options.leaseMs),
+    );
+    return codes.reduce((sum: number, code) => sum + (code as number), 0);
+  }
+
+  /** What the cache holds for each key; changes nothing. */
+  async lookup(keys: readonly string[]): Promise<IdRecord[]> {
+    const replies = await this.perShard(keys, (base, group) =>
+      this.scripts.lookup(
+        group.length,
+        ...group,
+        this.options.windowMs,
+        this.layout.sliceMs,
+        base,
+        ...digestArgs(group),
+      ),
+    );
+    return replies.map((reply) => {
+      const [state, ttlMs, claim] = reply as [number, number, string];
+      return { state: (['unknown', 'committed', 'claimed'] as const)[state] ?? 'unknown', ttlMs, claim };
+    });
+  }
+
+  /** Deletes every record of the keys; returns how many had one. */
+  async forget(keys: readonly string[]): Promise<number> {
+    const codes = await this.perShard(keys, (base, group) =>
+      this.scripts.forget(group.length, ...group, this.layout.sliceMs, base, ...digestArgs(group)),
+    );
+    return codes.reduce((sum: number, code) => sum + (code as number), 0);
+  }
+
+  private commitArgs(base: string, keys: readonly string[]): Arg[] {
+    return [...keys, this.token, this.options.windowMs, this.layout.sliceMs, base, ...digestArgs(keys)];
+  }
+
+  private groups(keys: readonly string[]): Map<string, { keys: string[]; at: number[] }> {
+    const groups = new Map<string, { keys: string[]; at: number[] }>();
+    keys.forEach((key, index) => {
+      const { base } = splitKey(key);
+      let group = groups.get(base);
+      if (!group) {
+        group = { keys: [], at: [] };
+        groups.set(base, group);
+      }
+      group.keys.push(key);
+      group.at.push(index);
+    });
+    return groups;
+  }
+
+  /** One script call per slot shard, in parallel; the replies come back in the order of `keys`. */
+  private async perShard(
+    keys: readonly string[],
+    call: (base: string, group: string[]) => Promise<unknown>,
+  ): Promise<unknown[]> {
+    if (keys.length === 0) return [];
+    const groups = this.groups(keys);
+    if (groups.size === 1) {
+      const [base] = groups.keys();
+      return (await call(base as string, keys as string[])) as unknown[];
+    }
+    const out = new Array<unknown>(keys.length);
+    await Promise.all(
+      [...groups].map(async ([base, group]) => {
+        const reply = (await call(base, group.keys)) as unknown[];
+        group.at.forEach((index, i) => {
+          out[index] = reply[i];
+        });
+      }),
+    );
+    return out;
   }
 }

@@ -1,5 +1,5 @@
 import type { Redis } from 'ioredis';
-import { cacheKey } from './cache.js';
+import { DedupCache } from './cache.js';
 import { keyOfValue } from './id.js';
 
 export interface IdState {
@@ -14,6 +14,13 @@ export interface IdState {
   leaseMs: number | undefined;
 }
 
+// The tools look at every slice still stored, whatever window wrote it.
+const ANY_WINDOW = Number.MAX_SAFE_INTEGER;
+
+function openScope(redis: Redis, prefix: string, scope: string): Promise<DedupCache | undefined> {
+  return DedupCache.existing(redis, { prefix, scope, windowMs: ANY_WINDOW });
+}
+
 /** What the cache holds for each ID (typed on the command line, so keyed as a text ID). */
 export async function inspectIds(
   redis: Redis,
@@ -21,33 +28,42 @@ export async function inspectIds(
   scope: string,
   ids: string[],
 ): Promise<IdState[]> {
+  const cache = await openScope(redis, prefix, scope);
+  if (!cache) {
+    return ids.map((id) => ({
+      id,
+      key: '',
+      state: 'unknown',
+      owner: undefined,
+      ttlMs: undefined,
+      leaseMs: undefined,
+    }));
+  }
   const [seconds, micros] = (await redis.time()) as [string | number, string | number];
   const now = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
-  const out: IdState[] = [];
-  for (const id of ids) {
-    const key = cacheKey(prefix, scope, keyOfValue(id) ?? id);
-    const [value, ttl] = await Promise.all([redis.get(key), redis.pttl(key)]);
-    if (value === null) {
-      out.push({ id, key, state: 'unknown', owner: undefined, ttlMs: undefined, leaseMs: undefined });
-      continue;
+  const keys = ids.map((id) => cache.keyOf(keyOfValue(id) ?? id));
+  const records = await cache.lookup(keys);
+  return ids.map((id, index) => {
+    const key = keys[index] as string;
+    const record = records[index];
+    if (!record || record.state === 'unknown') {
+      return { id, key, state: 'unknown', owner: undefined, ttlMs: undefined, leaseMs: undefined };
     }
-    if (value === 'd') {
-      out.push({ id, key, state: 'committed', owner: undefined, ttlMs: ttl, leaseMs: undefined });
-      continue;
+    if (record.state === 'committed') {
+      return { id, key, state: 'committed', owner: undefined, ttlMs: record.ttlMs, leaseMs: undefined };
     }
-    const match = /^c:([^:]*):(\d+):([01])$/.exec(value);
+    const match = /^c:([^:]*):(\d+):([01])$/.exec(record.claim);
     const expiry = Number(match?.[2] ?? 0);
     const live = expiry > now;
-    out.push({
+    return {
       id,
       key,
       state: match?.[3] === '1' || !live ? 'in-doubt' : 'claimed',
       owner: match?.[1],
-      ttlMs: ttl,
+      ttlMs: record.ttlMs,
       leaseMs: live ? expiry - now : 0,
-    });
-  }
-  return out;
+    };
+  });
 }
 
 export interface ScopeStats {
@@ -57,37 +73,54 @@ export interface ScopeStats {
   approxBytes: number;
 }
 
-/** Counts a scope's records with SCAN (no KEYS), and estimates their memory from a sample. */
+/**
+ * Counts a scope's records: committed IDs from the slice totals in each shard's meta hash, claims
+ * with SCAN (no KEYS); memory from a sample of the keys, scaled up.
+ */
 export async function scopeStats(redis: Redis, prefix: string, scope: string): Promise<ScopeStats> {
-  const pattern = `${cacheKey(prefix, scope, '').replace(/[*?[\]\\]/g, '\\$&')}*`;
-  let cursor = '0';
+  const cache = await openScope(redis, prefix, scope);
+  if (!cache) return { committed: 0, claimed: 0, approxBytes: 0 };
   let committed = 0;
+  let bucketKeys = 0;
   let claimed = 0;
   let sampled = 0;
   let sampleBytes = 0;
-  do {
-    const [next, keys] = await redis.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
-    cursor = next;
-    if (keys.length === 0) continue;
-    const values = await redis.mget(...keys);
-    for (const value of values) {
-      if (value === 'd') committed++;
-      else if (value !== null) claimed++;
+  const sample = async (key: string) => {
+    const bytes = Number(await redis.memory('USAGE', key).catch(() => 0));
+    if (bytes > 0) {
+      sampled++;
+      sampleBytes += bytes;
     }
-    for (const key of keys.slice(0, 5)) {
-      const bytes = Number(await redis.memory('USAGE', key).catch(() => 0));
-      if (bytes > 0) {
-        sampled++;
-        sampleBytes += bytes;
+  };
+  for (const base of cache.bases()) {
+    const meta = await redis.hgetall(`${base}:m`);
+    for (const [slice, value] of Object.entries(meta)) {
+      const [, total, list] = value.split(':');
+      committed += Number(total);
+      const buckets = (list ?? '').split(',').map(Number);
+      bucketKeys += buckets.reduce((sum, count) => sum + count, 0);
+      // A few buckets of the newest generation, which is the fullest.
+      const last = buckets.length - 1;
+      for (let bucket = 0; bucket < Math.min(3, buckets[last] ?? 0); bucket++) {
+        await sample(`${base}:d:${slice}:${last}:${bucket}`);
       }
     }
-  } while (cursor !== '0');
-  const total = committed + claimed;
-  return { committed, claimed, approxBytes: sampled > 0 ? Math.round((sampleBytes / sampled) * total) : 0 };
+    const pattern = `${base.replace(/[*?[\]\\]/g, '\\$&')}:c:*`;
+    let cursor = '0';
+    do {
+      const [next, keys] = await redis.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
+      cursor = next;
+      claimed += keys.length;
+      for (const key of keys.slice(0, 3)) await sample(key);
+    } while (cursor !== '0');
+  }
+  const keys = bucketKeys + claimed;
+  return { committed, claimed, approxBytes: sampled > 0 ? Math.round((sampleBytes / sampled) * keys) : 0 };
 }
 
-/** Deletes the records of the given IDs; returns how many existed. */
+/** Deletes the records of the given IDs; returns how many had one. */
 export async function forgetIds(redis: Redis, prefix: string, scope: string, ids: string[]): Promise<number> {
-  if (ids.length === 0) return 0;
-  return redis.del(...ids.map((id) => cacheKey(prefix, scope, keyOfValue(id) ?? id)));
+  const cache = await openScope(redis, prefix, scope);
+  if (!cache || ids.length === 0) return 0;
+  return cache.forget(ids.map((id) => cache.keyOf(keyOfValue(id) ?? id)));
 }

@@ -5,7 +5,7 @@ import { checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
-import { cacheKey } from '../dedup/cache.js';
+import { DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
 import type { Logger } from '../observe/log.js';
 import { buildQueueReport, type QueueReport } from './report.js';
@@ -52,6 +52,11 @@ export async function dryRunQueue(
         );
       });
     }
+    const cache = await DedupCache.existing(redis, {
+      prefix: settings.redisPrefix,
+      scope: settings.scope,
+      windowMs: settings.dedupWindowMs,
+    });
     const seen = new Set<string>();
     const keys: (string | undefined)[] = messages.map((message) => {
       const { id, rejected } = deriveId(
@@ -65,12 +70,12 @@ export async function dryRunQueue(
         settings.idFrom,
       );
       if (rejected.length > 0) counters.badIdHeader++;
-      return id ? cacheKey(settings.redisPrefix, settings.scope, id.key) : undefined;
+      return id && cache ? cache.keyOf(id.key) : id?.key;
     });
-    // Only real keys go to Redis: they share the scope's hash slot, as the bridge's scripts need.
+    // Only real keys go to Redis; a scope never written has nothing committed.
     const withId = keys.filter((key): key is string => key !== undefined);
-    const values = withId.length > 0 ? await redis.mget(...withId) : [];
-    const committed = new Set(withId.filter((_, index) => values[index] === 'd'));
+    const records = cache && withId.length > 0 ? await cache.lookup(withId) : [];
+    const committed = new Set(withId.filter((_, index) => records[index]?.state === 'committed'));
     for (const key of keys) {
       counters.consumed++;
       if (key === undefined) counters.noId++;

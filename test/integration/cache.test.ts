@@ -1,6 +1,7 @@
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { cacheKey, DedupCache } from '../../src/dedup/cache.js';
+import { DedupCache, sliceLengthFor } from '../../src/dedup/cache.js';
+import { ConfigError } from '../../src/errors.js';
 import { servers, uniqueName } from '../helpers.js';
 
 describe('the Redis cache scripts (real Redis)', () => {
@@ -12,31 +13,38 @@ describe('the Redis cache scripts (real Redis)', () => {
     await redis.quit();
   });
 
-  const keysFor = (scope: string, ...ids: string[]) => ids.map((id) => cacheKey('dedup', scope, id));
-  const cacheOf = (token: string, leaseMs = 10_000) =>
-    new DedupCache(redis, { token, leaseMs, windowMs: 60_000 });
+  const WINDOW = 60_000;
+  const cacheOf = (scope: string, token: string, leaseMs = 10_000, shards?: number | 'auto') =>
+    DedupCache.open(redis, { token, leaseMs, windowMs: WINDOW, prefix: 'dedup', scope, shards });
+  const stateOf = async (cache: DedupCache, key: string) => (await cache.lookup([key]))[0]?.state;
+  const nowMs = async () => {
+    const [seconds, micros] = (await redis.time()) as [number, number];
+    return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+  };
 
   it('claims new IDs, reports committed ones as dup and live claims of others as busy', async () => {
     const scope = uniqueName('scope');
-    const [a, b] = keysFor(scope, 'a', 'b') as [string, string];
-    const mine = cacheOf('ownerA');
-    const theirs = cacheOf('ownerB');
+    const mine = await cacheOf(scope, 'ownerA');
+    const theirs = await cacheOf(scope, 'ownerB');
+    const [a, b] = [mine.keyOf('a'), mine.keyOf('b')];
     expect(await mine.claim([a, b])).toEqual(['new', 'new']);
     expect(await theirs.claim([a, b])).toEqual(['busy', 'busy']);
     expect(await mine.commit([a])).toEqual(['committed']);
     expect(await theirs.claim([a, b])).toEqual(['dup', 'busy']);
-    expect(await redis.get(a)).toBe('d');
-    const ttl = await redis.pttl(a);
-    expect(ttl).toBeGreaterThan(50_000);
-    expect(ttl).toBeLessThanOrEqual(60_000);
+    // Committed: the claim is gone, the ID sits in a bucket that lives one window past its slice.
+    expect(await redis.exists(a)).toBe(0);
+    const [record] = await mine.lookup([a]);
+    expect(record?.state).toBe('committed');
+    expect(record?.ttlMs).toBeGreaterThan(WINDOW);
+    expect(record?.ttlMs).toBeLessThanOrEqual(WINDOW + sliceLengthFor(WINDOW));
   });
 
   it('recognises its own claim sent twice (a re-sent command) and keeps an in-doubt flag', async () => {
     const scope = uniqueName('scope');
-    const [a] = keysFor(scope, 'a') as [string];
-    const crashed = cacheOf('crashed', 1000);
+    const crashed = await cacheOf(scope, 'crashed', 1000);
+    const a = crashed.keyOf('a');
     expect(await crashed.claim([a])).toEqual(['new']);
-    const mine = cacheOf('mine');
+    const mine = await cacheOf(scope, 'mine');
     expect(await mine.claim([a])).toEqual(['busy']);
     await new Promise((resolve) => setTimeout(resolve, 1100));
     // The crashed owner's lease ran out: the ID is ours now, in doubt.
@@ -45,48 +53,128 @@ describe('the Redis cache scripts (real Redis)', () => {
     // The crashed owner was only slow: the target confirmed its copy, so it commits the ID even
     // though we took the claim over; our copy (flagged in-doubt) is the duplicate.
     expect(await crashed.commit([a])).toEqual(['taken']);
-    expect(await redis.get(a)).toBe('d');
+    expect(await stateOf(mine, a)).toBe('committed');
     expect(await mine.commit([a])).toEqual(['already']);
     expect(await mine.claim([a])).toEqual(['dup']);
   });
 
   it('releases only its own claims, and commits an ID whose record vanished', async () => {
     const scope = uniqueName('scope');
-    const [a, b, c] = keysFor(scope, 'a', 'b', 'c') as [string, string, string];
-    const mine = cacheOf('mine');
-    const theirs = cacheOf('theirs');
+    const mine = await cacheOf(scope, 'mine');
+    const theirs = await cacheOf(scope, 'theirs');
+    const [a, b, c] = [mine.keyOf('a'), mine.keyOf('b'), mine.keyOf('c')];
     await mine.claim([a]);
     await theirs.claim([b]);
     expect(await mine.release([a, b])).toBe(1);
     expect(await redis.exists(a)).toBe(0);
     expect(await redis.get(b)).toMatch(/^c:theirs:/);
     expect(await mine.commit([c])).toEqual(['restored']);
-    expect(await redis.get(c)).toBe('d');
+    expect(await stateOf(mine, c)).toBe('committed');
   });
 
   it('a release that keeps the doubt makes the next claim, by anyone, in-doubt', async () => {
     const scope = uniqueName('scope');
-    const [a, b] = keysFor(scope, 'a', 'b') as [string, string];
-    const mine = cacheOf('mine');
+    const mine = await cacheOf(scope, 'mine');
+    const [a, b] = [mine.keyOf('a'), mine.keyOf('b')];
     await mine.claim([a, b]);
     expect(await mine.release([a], { keepInDoubt: true })).toBe(1);
     expect(await mine.claim([a])).toEqual(['in-doubt']);
     await mine.release([a, b], { keepInDoubt: true });
-    expect(await cacheOf('other').claim([a, b])).toEqual(['in-doubt', 'in-doubt']);
+    expect(await (await cacheOf(scope, 'other')).claim([a, b])).toEqual(['in-doubt', 'in-doubt']);
   });
 
   it('renews the leases of its own claims only', async () => {
     const scope = uniqueName('scope');
-    const [a, b] = keysFor(scope, 'a', 'b') as [string, string];
-    const mine = cacheOf('mine', 1000);
-    const theirs = cacheOf('theirs', 1000);
+    const mine = await cacheOf(scope, 'mine', 1000);
+    const theirs = await cacheOf(scope, 'theirs', 1000);
+    const [a, b] = [mine.keyOf('a'), mine.keyOf('b')];
     await mine.claim([a]);
     await theirs.claim([b]);
     await new Promise((resolve) => setTimeout(resolve, 700));
     expect(await mine.renew([a, b])).toBe(1);
     await new Promise((resolve) => setTimeout(resolve, 500));
-    const third = cacheOf('third');
+    const third = await cacheOf(scope, 'third');
     // a was renewed and is still live; b's lease ran out and is taken over in doubt.
     expect(await third.claim([a, b])).toEqual(['busy', 'in-doubt']);
+  });
+
+  it('keeps committed IDs in small listpack hashes that grow by generations, all still found', async () => {
+    const scope = uniqueName('scope');
+    const cache = await cacheOf(scope, 'bulk');
+    const ids = Array.from(
+      { length: 3000 },
+      (_, i) => `${String(i).padStart(8, '0')}-0000-4000-8000-000000000000`,
+    );
+    const keys = ids.map((id) => cache.keyOf(id));
+    for (let i = 0; i < keys.length; i += 200) {
+      const batch = keys.slice(i, i + 200);
+      expect(await cache.claim(batch)).toEqual(batch.map(() => 'new'));
+      expect(await cache.commit(batch)).toEqual(batch.map(() => 'committed'));
+    }
+    expect(await cache.claim(keys)).toEqual(keys.map(() => 'dup'));
+    expect(await cache.claim([cache.keyOf('never-sent')])).toEqual(['new']);
+    // No claim keys left behind for committed IDs, and every bucket is compact.
+    expect(await redis.exists(...keys)).toBe(0);
+    const meta = await redis.hgetall(`dedup:{${scope}}:m`);
+    const [slice, value] = Object.entries(meta)[0] as [string, string];
+    expect(Object.keys(meta)).toHaveLength(1);
+    // 80 per bucket: 1 bucket (80 IDs), then 4 (320), then 16 (1,280), then 64 for the other 1,320.
+    const [, total, list] = value.split(':');
+    expect(Number(total)).toBe(3000);
+    expect(list).toBe('1,4,16,64');
+    const encodings = new Set<string>();
+    const sizes: number[] = [];
+    for (const [gen, buckets] of (list as string).split(',').map(Number).entries()) {
+      for (let bucket = 0; bucket < buckets; bucket++) {
+        const key = `dedup:{${scope}}:d:${slice}:${gen}:${bucket}`;
+        encodings.add(String(await redis.object('ENCODING', key)));
+        sizes.push(await redis.hlen(key));
+      }
+    }
+    expect([...encodings]).toEqual(['listpack']);
+    expect(sizes.reduce((sum, size) => sum + size, 0)).toBe(3000);
+    expect(Math.max(...sizes)).toBeLessThanOrEqual(128);
+  });
+
+  it('sizes a new slice from the previous one', async () => {
+    const scope = uniqueName('scope');
+    const cache = await cacheOf(scope, 'sized');
+    const sliceMs = cache.layout.sliceMs;
+    const current = Math.floor((await nowMs()) / sliceMs);
+    // The previous slice took 8,000 IDs: the new one starts with 100 buckets of 80.
+    await redis.hset(`dedup:{${scope}}:m`, String(current - 1), '0:8000:1,4,16');
+    await cache.commit([cache.keyOf('first-of-the-slice')]);
+    expect(await redis.hget(`dedup:{${scope}}:m`, String(current))).toBe('1:1:100');
+  });
+
+  it('forgets committed and claimed IDs on request', async () => {
+    const scope = uniqueName('scope');
+    const cache = await cacheOf(scope, 'mine');
+    const [a, b, c] = [cache.keyOf('a'), cache.keyOf('b'), cache.keyOf('c')];
+    await cache.claim([a, b]);
+    await cache.commit([a]);
+    expect(await cache.forget([a, b, c])).toBe(2);
+    expect((await cache.lookup([a, b, c])).map((record) => record.state)).toEqual([
+      'unknown',
+      'unknown',
+      'unknown',
+    ]);
+    expect(await cache.claim([a])).toEqual(['new']);
+  });
+
+  it('spreads a scope over slot shards, and keeps the shard count the scope was written with', async () => {
+    const scope = uniqueName('scope');
+    const cache = await cacheOf(scope, 'sharded', 10_000, 4);
+    const keys = Array.from({ length: 200 }, (_, i) => cache.keyOf(`id-${i}`));
+    const tags = new Set(keys.map((key) => key.slice(key.indexOf('{'), key.indexOf('}') + 1)));
+    expect([...tags].sort()).toEqual([0, 1, 2, 3].map((shard) => `{${scope} ${shard}}`));
+    expect(await cache.claim(keys)).toEqual(keys.map(() => 'new'));
+    expect(await cache.commit(keys)).toEqual(keys.map(() => 'committed'));
+    // Another process with the default ('auto') reads the stored layout and finds every ID.
+    const later = await cacheOf(scope, 'later');
+    expect(later.layout.shards).toBe(4);
+    expect(await later.claim(keys)).toEqual(keys.map(() => 'dup'));
+    await expect(cacheOf(scope, 'wrong', 10_000, 2)).rejects.toThrow(ConfigError);
+    await expect(cacheOf(scope, 'wrong', 10_000, 2)).rejects.toThrow(/stored over 4 shard/);
   });
 });

@@ -28,6 +28,9 @@ describe('dedup-bridge run', () => {
     await publishAll(sourceUrl, source, batch(0, 1000));
     await publishAll(sourceUrl, source, batch(500, 1500)); // 500 resent
     expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 1500)).toBe(true);
+    // Every copy taken off the source (the resent ones may still be in flight): SIGTERM must
+    // finish them rather than give them back.
+    expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);
     bridge.signal('SIGTERM');
     const result = await bridge.done;
     expect(result.code).toBe(0);

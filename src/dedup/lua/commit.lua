@@ -1,7 +1,9 @@
 -- commit: record IDs as held by the target, after the target confirmed them.
--- KEYS[1..n]  one key per ID, all in one hash slot: <prefix>:{<scope>}:<id>
+-- KEYS[1..n]  the claim key of each ID, all in one hash slot: <base>:c:<id>
 -- ARGV[1]     owner token of the calling process
 -- ARGV[2]     dedup window in ms: how long a committed ID is remembered
+-- ARGV[3]     slice length in ms, ARGV[4] the base (<prefix>:{<scope>}) of the committed hashes
+-- ARGV[5..]   per key: the 12-byte digest of its ID and a 32-bit number from the same digest
 -- Reply: one integer per key
 --   1 committed   our claim held and is now committed
 --   2 already     it was already committed (a re-sent commit, or another owner finished first)
@@ -9,15 +11,22 @@
 --                 copy, so it is committed all the same: the other owner's copy, flagged in-doubt,
 --                 is the duplicate, and nobody forwards the ID again
 --   4 restored    no record at all (Redis lost it): the target confirmed it, so commit it
+-- The claim is deleted in every case: a committed ID needs no claim.
+local now = now_ms()
 local token = ARGV[1]
-local window = ARGV[2]
+local window = tonumber(ARGV[2])
+local slice_ms = tonumber(ARGV[3])
+local base = ARGV[4]
+local slices, expired = read_slices(base, slice_ms, window, now)
+local writer = slice_writer(base, slices, slice_ms, window, now)
 local reply = {}
 for i, key in ipairs(KEYS) do
+  local field, h = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
   local value = redis.call('GET', key)
-  if value == 'd' then
+  if find_committed(base, slices, field, h) then
     reply[i] = 2
   else
-    redis.call('SET', key, 'd', 'PX', window)
+    writer.add(field, h)
     if not value then
       reply[i] = 4
     elseif string.match(value, '^c:([^:]*):') == token then
@@ -26,5 +35,7 @@ for i, key in ipairs(KEYS) do
       reply[i] = 3
     end
   end
+  if value then redis.call('DEL', key) end
 end
+writer.finish(expired)
 return reply

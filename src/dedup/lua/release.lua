@@ -1,5 +1,5 @@
 -- release: give up claims that were not forwarded (nacked, unroutable, shutting down).
--- KEYS[1..n]  one key per ID, all in one hash slot: <prefix>:{<scope>}:<id>
+-- KEYS[1..n]  the claim key of each ID, all in one hash slot: <base>:c:<id>
 -- ARGV[1]     owner token of the calling process
 -- ARGV[2]     drop: delete the claim (nothing of it reached the target)
 --             doubt: keep the claim, expired and flagged in-doubt (an earlier copy may be on the

@@ -1,5 +1,5 @@
 -- renew: extend the leases of claims still in flight.
--- KEYS[1..n]  one key per ID, all in one hash slot: <prefix>:{<scope>}:<id>
+-- KEYS[1..n]  the claim key of each ID, all in one hash slot: <base>:c:<id>
 -- ARGV[1]     owner token of the calling process
 -- ARGV[2]     lease in ms from now
 -- Reply: one integer per key: 1 renewed, 0 no longer ours
