@@ -5,6 +5,7 @@ import {
   countDelivery,
   depthOf,
   idText,
+  migrateArgs,
   type OutgoingMessage,
   publishAll,
   queuePair,
@@ -156,6 +157,33 @@ describe('metrics and health (--metrics-port)', () => {
     } finally {
       bridge.signal('SIGKILL');
       await proxy.stop();
+    }
+  });
+
+  it('migrate serves the metrics of its queues while it runs and closes the port when it is done', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const sent = Array.from({ length: 50 }, (_, i) => ({ body: 'x', options: { messageId: `mig-${i}` } }));
+    await publishAll(sourceUrl, source, sent);
+    const job = startCli([
+      ...migrateArgs(source, ['--target-queue', target], '--metrics-port', '0', '--quiet').map((arg) =>
+        arg === '300ms' ? '2s' : arg,
+      ),
+    ]);
+    try {
+      const url = await metricsUrl(job);
+      let scrape = '';
+      // While it waits out the idle timeout, the queue's counters are there to see.
+      const seen = await waitFor(async () => {
+        scrape = (await get(`${url}/metrics`)).body;
+        return sample(scrape, 'dedup_bridge_forwarded_total', { route: source }) === 50;
+      });
+      expect(seen, scrape).toBe(true);
+      const result = await job.done;
+      expect(result.code, result.stderr).toBe(0);
+      expect(await depthOf(targetUrl, target)).toBe(50);
+      await expect(fetch(`${url}/healthz`)).rejects.toThrow();
+    } finally {
+      job.signal('SIGKILL');
     }
   });
 
