@@ -42,7 +42,8 @@ export async function connectAmqp(url: string, options: ConnectOptions): Promise
       const elapsed = Date.now() - started;
       if (options.retryForMs > 0 && elapsed >= options.retryForMs) throw unreachable(where, error, elapsed);
       const delay = backoffDelay(attempt);
-      options.log.warn(
+      // One line when retrying starts; further attempts only at debug level (state changes, not noise).
+      options.log[attempt === 1 ? 'warn' : 'debug'](
         { side: options.side, attempt, delayMs: delay, error: redactSecrets(describe(error), [secret]) },
         `${where} not reachable; retrying`,
       );

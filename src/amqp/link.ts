@@ -80,10 +80,13 @@ export class AmqpLink {
     }
     this.connection = connection;
     this.downSince = undefined;
-    connection.on('close', () => this.lost(connection, 'connection closed'));
+    // The error that ends a connection is told in the one "lost" line; alone it is a debug detail.
+    let lastError: string | undefined;
+    connection.on('close', () => this.lost(connection, lastError ?? 'connection closed'));
     connection.on('error', (error: Error) => {
-      this.options.log.warn(
-        { side: this.options.side, error: describe(error) },
+      lastError = describe(error);
+      this.options.log.debug(
+        { side: this.options.side, error: lastError },
         `${this.where}: connection error`,
       );
     });
@@ -121,7 +124,7 @@ export class AmqpLink {
             return;
           }
           const delay = backoffDelay(attempt, 200, 5000);
-          this.options.log.warn(
+          this.options.log[attempt === 1 ? 'warn' : 'debug'](
             { side: this.options.side, attempt, delayMs: delay, error: describe(error) },
             `${this.where}: reconnect failed; retrying`,
           );

@@ -124,6 +124,11 @@ export class SourceQueue {
     return this.channel !== undefined;
   }
 
+  /** True while the broker delivers to our consumer (false while reconnecting or stopping). */
+  get isConsuming(): boolean {
+    return this.consumerTag !== undefined;
+  }
+
   /** Acks one message on the channel that delivered it. False when that channel is gone. */
   ack(message: ConsumeMessage): boolean {
     const channel = this.liveChannelOf(message);

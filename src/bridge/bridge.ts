@@ -11,14 +11,28 @@ import type { Logger } from '../observe/log.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
+/** Which connections of a route are up, for health checks and metrics. */
+export interface RouteStatus {
+  source: boolean;
+  target: boolean;
+  redis: boolean;
+  /** The broker delivers to our consumer (false while reconnecting or stopping). */
+  consuming: boolean;
+  /** The target broker blocked publishing (a memory or disk alarm). */
+  targetBlocked: boolean;
+}
+
 /** A running route: its connections and its pipeline. */
 export interface Bridge {
+  /** The route's name in logs and metrics. */
+  route: string;
   pipeline: Pipeline;
   source: SourceQueue;
   /** Resolves when something fails that retrying cannot fix (a queue deleted, credentials revoked). */
   failure: Promise<BridgeError>;
   /** The server that has been unreachable longest, and for how long; undefined when all are up. */
   outage(): { what: string; ms: number } | undefined;
+  status(): RouteStatus;
   /** Stops consuming, finishes in-flight work within the timeout; returns how many were unfinished. */
   stop(timeoutMs: number): Promise<number>;
   close(): Promise<void>;
@@ -43,7 +57,7 @@ export async function startBridge(
   log: Logger,
   limits: BridgeLimits = {},
 ): Promise<Bridge> {
-  const routeLog = log.child({ route: settings.sourceQueue });
+  const routeLog = log.child({ route: settings.route });
   const sourceWhere = `source broker at ${redactUrl(settings.sourceUrl)}`;
   const targetWhere = `target broker at ${redactUrl(settings.targetUrl)}`;
   const source = new SourceQueue(
@@ -103,7 +117,7 @@ export async function startBridge(
 
   const pipeline = new Pipeline(
     {
-      name: settings.sourceQueue,
+      name: settings.route,
       sourceQueue: settings.sourceQueue,
       targetExchange: settings.targetExchange,
       targetRoutingKey: settings.targetRoutingKey,
@@ -137,7 +151,7 @@ export async function startBridge(
   targetLink.onFatal = reportFailure;
   try {
     await pipeline.start((error) =>
-      reportFailure(new RuntimeFailure(`route ${settings.sourceQueue}: internal error: ${error.message}`)),
+      reportFailure(new RuntimeFailure(`route ${settings.route}: internal error: ${error.message}`)),
     );
   } catch (error) {
     // e.g. basic.consume refused (an exclusive consumer holds the queue): nothing may keep running.
@@ -155,7 +169,9 @@ export async function startBridge(
     },
     'forwarding',
   );
+  const connectedRedis = redis;
   return {
+    route: settings.route,
     pipeline,
     source,
     failure,
@@ -172,6 +188,13 @@ export async function startBridge(
       }
       return worst;
     },
+    status: () => ({
+      source: sourceLink.isUp,
+      target: targetLink.isUp,
+      redis: connectedRedis.status === 'ready',
+      consuming: source.isConsuming,
+      targetBlocked: target.isBlocked,
+    }),
     stop: (timeoutMs: number) => pipeline.stop(timeoutMs),
     close: closeAll,
   };

@@ -13,6 +13,9 @@ export const IN_DOUBT_HEADER = 'x-dedup-in-doubt';
 
 export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
+/** The stages whose latency metrics watch: the Redis claim and commit, and the target's confirm. */
+export type LatencyStage = 'claim' | 'commit' | 'confirm';
+
 export interface RouteSettings {
   name: string;
   sourceQueue: string;
@@ -63,12 +66,18 @@ const BUSY_RECHECK_MS = 250;
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
 const MAX_RETRY_MEMORY = 10_000;
 
+function secondsSince(started: number): number {
+  return (performance.now() - started) / 1000;
+}
+
 /**
  * The forwarding protocol for one route. Every source message is acked only after the target
  * confirmed it and its ID was committed, or after the cache showed its ID already committed.
  */
 export class Pipeline {
   readonly counters: RouteCounters = newCounters();
+  /** Told how long a stage took and for how many messages (the metrics set it). */
+  onLatency: (stage: LatencyStage, seconds: number, messages: number) => void = () => {};
   /** Messages delivered to us and not yet acked or returned. */
   private held = 0;
   /** Of those, messages waiting out a backoff before they go back to the source. */
@@ -209,7 +218,7 @@ export class Pipeline {
     if (rejected.length > 0) {
       this.counters.badIdHeader++;
       this.log.warn(
-        { route: this.settings.name, rejected, usedStrategy: id?.strategy ?? 'none' },
+        { rejected, usedStrategy: id?.strategy ?? 'none' },
         'message has an ID header of a type that cannot be an ID; the next --id-from strategy decided',
       );
     }
@@ -224,7 +233,7 @@ export class Pipeline {
         suspect: 0,
       };
       this.log.warn(
-        { route: this.settings.name, strategies: this.settings.idFrom.length },
+        { strategies: this.settings.idFrom.length },
         'message has no ID under any --id-from strategy; it is not forwarded',
       );
       this.track(this.handleFailure(entry, 'no-id'));
@@ -286,7 +295,9 @@ export class Pipeline {
   /** claim → publish → commit → ack, for one batch of distinct IDs. */
   private async forward(entries: Entry[]): Promise<void> {
     const keys = entries.map((entry) => entry.key as string);
+    const claimStarted = performance.now();
     const states = await this.redis('claim', () => this.cache.claim(keys));
+    this.onLatency('claim', secondsSince(claimStarted), entries.length);
     const toPublish: Entry[] = [];
     const busy: Entry[] = [];
     entries.forEach((entry, index) => {
@@ -314,7 +325,14 @@ export class Pipeline {
     if (toPublish.length === 0) return;
     if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
-    const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
+    const outcomes = await Promise.all(
+      toPublish.map(async (entry) => {
+        const started = performance.now();
+        const outcome = await this.publishUntilAnswered(entry);
+        if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
+        return outcome;
+      }),
+    );
     const confirmed: Entry[] = [];
     const refused: [Entry, Failure][] = [];
     const lost: Entry[] = [];
@@ -328,9 +346,11 @@ export class Pipeline {
 
     if (confirmed.length > 0) {
       this.settings.afterConfirm?.();
+      const commitStarted = performance.now();
       const results = await this.redis('commit', () =>
         this.cache.commit(confirmed.map((entry) => entry.key as string)),
       );
+      this.onLatency('commit', secondsSince(commitStarted), confirmed.length);
       confirmed.forEach((entry, index) => {
         this.claimed.delete(entry);
         if (results[index] === 'taken') this.counters.claimTakenOver++;
@@ -382,7 +402,6 @@ export class Pipeline {
         entry.suspect++;
         if (entry.suspect >= 2) {
           this.log.warn(
-            { route: this.settings.name },
             'the target closed its channel for this message twice, the second time alone: it is refused',
           );
           return 'nacked';
@@ -434,18 +453,15 @@ export class Pipeline {
       if (await this.source.park(entry.message, why)) {
         this.counters.parked++;
         this.progress();
-        this.log.warn({ route: this.settings.name, reason: why, parkQueue }, 'message parked');
+        this.log.warn({ reason: why, parkQueue }, 'message parked');
         this.settle(entry, () => this.source.ack(entry.message));
         return;
       }
-      this.log.warn(
-        { route: this.settings.name, parkQueue },
-        'parking failed; the message goes back to the source',
-      );
+      this.log.warn({ parkQueue }, 'parking failed; the message goes back to the source');
     } else if (onUnroutable === 'dead-letter') {
       this.counters.deadLettered++;
       this.progress();
-      this.log.warn({ route: this.settings.name, reason: why }, 'message dead-lettered');
+      this.log.warn({ reason: why }, 'message dead-lettered');
       this.settle(entry, () => this.source.nack(entry.message, false));
       return;
     }
@@ -458,7 +474,7 @@ export class Pipeline {
       this.settings.requeueDelay.maxMs,
     );
     this.log.warn(
-      { route: this.settings.name, reason: why, attempt, delayMs: delay },
+      { reason: why, attempt, delayMs: delay },
       'message not forwarded; it goes back to the source queue after a backoff',
     );
     this.waitingToRequeue++;
@@ -540,10 +556,7 @@ export class Pipeline {
     this.cache
       .renew(keys)
       .catch((error: unknown) => {
-        this.log.warn(
-          { route: this.settings.name, error: describe(error) },
-          'lease renewal failed; will retry',
-        );
+        this.log.warn({ error: describe(error) }, 'lease renewal failed; will retry');
       })
       .finally(() => {
         this.renewing = false;
@@ -556,12 +569,12 @@ export class Pipeline {
       if (this.abandoned) throw new Abandoned();
       try {
         const result = await call();
-        if (attempt > 1) this.log.info({ route: this.settings.name, what }, 'Redis answers again');
+        if (attempt > 1) this.log.info({ what }, 'Redis answers again');
         return result;
       } catch (error) {
         if (attempt === 1) {
           this.log.warn(
-            { route: this.settings.name, what, error: describe(error) },
+            { what, error: describe(error) },
             'Redis call failed; holding the batch unacked and retrying',
           );
         }

@@ -10,6 +10,7 @@ import { BridgeError, ConfigError, ExitCode, UnavailableError } from '../errors.
 import { formatJobReport } from '../migrate/report.js';
 import { runMigration, writeReport } from '../migrate/runner.js';
 import { createLogger, type Logger } from '../observe/log.js';
+import { type ObserveServer, resolveMetricsEndpoint, startObserveServer } from '../observe/server.js';
 import { addCacheCommands } from './cache.js';
 import { addBridgeOptions, addMigrateOptions } from './options.js';
 import { onStopSignal } from './signals.js';
@@ -68,7 +69,23 @@ type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: b
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
   const settings = resolveBridgeSettings(raw, 'run');
-  const log = createLogger(settings.logLevel);
+  const metricsEndpoint = resolveMetricsEndpoint(raw);
+  const log = createLogger(settings.logLevel, process.stdout.isTTY === true);
+  // Listening first: a taken port fails at once, and /healthz answers while the servers are sought.
+  const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
+  try {
+    return await forwardUntilStopped(raw, settings, log, observer);
+  } finally {
+    await observer?.close();
+  }
+}
+
+async function forwardUntilStopped(
+  raw: RunRawOptions,
+  settings: BridgeSettings,
+  log: Logger,
+  observer: ObserveServer | undefined,
+): Promise<number> {
   await checkRedis(settings.redisUrl, settings.retryForMs, raw.strict === true, log);
   const signal = onStopSignal();
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
@@ -76,6 +93,7 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
     ? { afterConfirm: () => process.kill(process.pid, 'SIGKILL') }
     : {};
   const bridge = await startBridge(settings, log, crash);
+  observer?.add(bridge);
   const outage = watchOutage(bridge, settings.retryForMs);
   const first = await Promise.race([
     signal.first.then(() => 'signal' as const),
@@ -84,10 +102,11 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   ]);
   outage.stop();
   if (first === 'signal') {
-    log.info({ timeoutMs: settings.shutdownTimeoutMs }, 'stopping: finishing in-flight messages');
+    const routeLog = log.child({ route: settings.route });
+    routeLog.info({ timeoutMs: settings.shutdownTimeoutMs }, 'stopping: finishing in-flight messages');
     const unfinished = await bridge.stop(settings.shutdownTimeoutMs);
     await bridge.close();
-    log.info({ unfinished, counters: bridge.pipeline.counters }, 'stopped');
+    routeLog.info({ unfinished, counters: bridge.pipeline.counters }, 'stopped');
     return ExitCode.ok;
   }
   // Retrying cannot fix this (a queue deleted, credentials revoked): release and report.
@@ -117,12 +136,19 @@ function watchOutage(bridge: Bridge, retryForMs: number): { failed: Promise<Brid
 
 async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Promise<number> {
   const settings = resolveMigrateSettings(raw);
+  const metricsEndpoint = resolveMetricsEndpoint(raw);
   if (settings.reportPath) await checkWritable(settings.reportPath);
   const first = settings.routes[0] as BridgeSettings;
-  const log = createLogger(first.logLevel);
-  await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
-  const signal = onStopSignal();
-  const result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true);
+  const log = createLogger(first.logLevel, process.stdout.isTTY === true);
+  const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
+  let result: Awaited<ReturnType<typeof runMigration>>;
+  try {
+    await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
+    const signal = onStopSignal();
+    result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true, observer);
+  } finally {
+    await observer?.close();
+  }
   if (settings.reportPath) await writeReport(settings.reportPath, result.report);
   if (!settings.quiet) process.stderr.write(formatJobReport(result.report));
   for (const problem of result.problems) process.stderr.write(`dedup-bridge: ${problem}\n`);

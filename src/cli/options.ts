@@ -1,6 +1,7 @@
 import { type Command, Option } from 'commander';
 import { MIGRATE_DEFAULTS } from '../config/migrate-settings.js';
 import { DEFAULTS } from '../config/settings.js';
+import { DEFAULT_METRICS_HOST } from '../observe/server.js';
 
 function sourceQueueOption(mode: 'run' | 'migrate'): Option {
   if (mode === 'run')
@@ -101,5 +102,16 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
         'DEDUP_BRIDGE_LOG_LEVEL',
       ),
     )
-    .option('--strict', 'refuse to start on a Redis that keeps nothing on disk or may evict keys');
+    .option('--strict', 'refuse to start on a Redis that keeps nothing on disk or may evict keys')
+    .addOption(
+      new Option('--metrics-port <port>', 'serve /metrics, /healthz and /readyz on this port').env(
+        'DEDUP_BRIDGE_METRICS_PORT',
+      ),
+    )
+    .addOption(
+      new Option(
+        '--metrics-host <address>',
+        `address the metrics port listens on (default ${DEFAULT_METRICS_HOST})`,
+      ).env('DEDUP_BRIDGE_METRICS_HOST'),
+    );
 }

@@ -51,9 +51,13 @@ export interface RawOptions {
   idleTimeout?: string;
   maxMessages?: string;
   report?: string;
+  metricsPort?: string;
+  metricsHost?: string;
 }
 
 export interface BridgeSettings {
+  /** Names the route in logs and metrics: the source queue (flags), or the route's name (config file). */
+  route: string;
   sourceUrl: string;
   sourceQueue: string;
   targetUrl: string;
@@ -263,6 +267,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
   const targetUser = userOf(options.target);
 
   return {
+    route: options.sourceQueue,
     sourceUrl: options.source,
     sourceQueue: options.sourceQueue,
     targetUrl: options.target,

@@ -25,13 +25,21 @@ export async function connectRedis(url: string, retryForMs: number, log: Logger)
     retryStrategy: (attempt) => backoffDelay(attempt, 100, 5000),
   });
   let connected = false;
+  // ioredis reports every failed reconnect attempt; log the first as "lost", the others at debug.
+  let down = false;
   redis.on('error', (error: Error) => {
     lastError = error;
-    if (connected)
-      log.warn({ error: redactSecrets(describe(error), [secret]) }, `${where}: connection error`);
+    if (connected) {
+      log[down ? 'debug' : 'warn'](
+        { error: redactSecrets(describe(error), [secret]) },
+        `${where}: connection error; reconnecting`,
+      );
+      down = true;
+    }
   });
   redis.on('ready', () => {
     if (connected) log.info(`${where}: connected again`);
+    down = false;
   });
   const started = Date.now();
   try {

@@ -7,6 +7,7 @@ import type { MessageBudget } from '../bridge/limits.js';
 import type { BridgeSettings } from '../config/settings.js';
 import type { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
+import type { RouteWatch } from '../observe/server.js';
 import { buildQueueReport, type QueueOutcome, type QueueReport } from './report.js';
 
 const POLL_MS = 100;
@@ -19,6 +20,8 @@ export interface JobControl {
   idleTimeoutMs: number;
   deleteSourceWhenEmpty: boolean;
   log: Logger;
+  /** Told of each queue's bridge while it runs (--metrics-port). */
+  watch?: RouteWatch;
 }
 
 /** What progress displays read while a queue migrates. */
@@ -57,6 +60,7 @@ export async function migrateQueue(
     throttle: control.throttle,
   });
   const { pipeline, source } = bridge;
+  control.watch?.add(bridge);
   progress.counters = pipeline.counters;
   let failure: BridgeError | undefined;
   void bridge.failure.then((error) => {
@@ -111,6 +115,7 @@ export async function migrateQueue(
   await source.closeConsumer();
   const remaining = await settledDepth(bridge);
   progress.depth = remaining;
+  control.watch?.remove(bridge);
   await bridge.close().catch(() => {});
   let deleted = false;
   if (outcome === 'drained' && control.deleteSourceWhenEmpty) {

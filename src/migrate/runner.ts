@@ -10,6 +10,7 @@ import { newOwnerToken } from '../dedup/cache.js';
 import { connectRedis } from '../dedup/redis.js';
 import { BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
+import type { RouteWatch } from '../observe/server.js';
 import { dryRunQueue } from './dry-run.js';
 import { type JobControl, migrateQueue, type QueueProgress, type QueueResult } from './job.js';
 import { JobLock } from './lock.js';
@@ -33,6 +34,7 @@ export async function runMigration(
   log: Logger,
   interrupt: Promise<unknown>,
   terminal: boolean,
+  watch?: RouteWatch,
 ): Promise<JobResult> {
   const started = Date.now();
   const first = settings.routes[0] as BridgeSettings;
@@ -70,6 +72,7 @@ export async function runMigration(
       idleTimeoutMs: settings.idleTimeoutMs,
       deleteSourceWhenEmpty: settings.deleteSourceWhenEmpty,
       log,
+      watch,
     };
     void interrupt.then(() => {
       control.stopReason ??= 'interrupted';

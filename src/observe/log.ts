@@ -1,15 +1,29 @@
 import { pino } from 'pino';
+import { readableLine } from './readable.js';
 
 export type Logger = pino.Logger;
 export type LogLevel = 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
 export const LOG_LEVELS: readonly LogLevel[] = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'];
 
-/** JSON lines on stdout (synchronous, so nothing is lost when the process exits). */
-export function createLogger(level: LogLevel): Logger {
-  return pino(
-    { level, base: { pid: process.pid }, timestamp: pino.stdTimeFunctions.isoTime },
-    pino.destination({ dest: 1, sync: true }),
-  );
+/**
+ * Logs on stdout, written synchronously so that nothing is lost when the process exits: JSON lines
+ * with the level as a word (for log collectors), or, when `readable` (stdout is a terminal), one
+ * short coloured line per entry for a person.
+ */
+export function createLogger(level: LogLevel, readable = false): Logger {
+  const out = pino.destination({ dest: 1, sync: true });
+  const options: pino.LoggerOptions = {
+    level,
+    base: { pid: process.pid },
+    timestamp: pino.stdTimeFunctions.isoTime,
+    formatters: { level: (label) => ({ level: label }) },
+  };
+  if (!readable) return pino(options, out);
+  return pino(options, {
+    write(line: string) {
+      out.write(readableLine(line));
+    },
+  });
 }
 
 export function silentLogger(): Logger {
