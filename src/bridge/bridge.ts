@@ -43,7 +43,7 @@ export async function startBridge(
   log: Logger,
   limits: BridgeLimits = {},
 ): Promise<Bridge> {
-  const routeLog = log.child({ route: settings.sourceQueue });
+  const routeLog = log.child({ route: settings.route });
   const sourceWhere = `source broker at ${redactUrl(settings.sourceUrl)}`;
   const targetWhere = `target broker at ${redactUrl(settings.targetUrl)}`;
   const source = new SourceQueue(
@@ -55,13 +55,13 @@ export async function startBridge(
   );
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
-    settings.sourceUrl,
+    settings.sourceUrls,
     { side: 'source', retryForMs: settings.retryForMs, log: routeLog },
     (connection) => source.attach(connection),
     () => source.detach(),
   );
   const targetLink = new AmqpLink(
-    settings.targetUrl,
+    settings.targetUrls,
     { side: 'target', retryForMs: settings.retryForMs, log: routeLog },
     (connection) => target.attach(connection),
     () => target.detach(),
@@ -99,7 +99,7 @@ export async function startBridge(
   });
   const pipeline = new Pipeline(
     {
-      name: settings.sourceQueue,
+      name: settings.route,
       sourceQueue: settings.sourceQueue,
       targetExchange: settings.targetExchange,
       targetRoutingKey: settings.targetRoutingKey,
@@ -133,7 +133,7 @@ export async function startBridge(
   targetLink.onFatal = reportFailure;
   try {
     await pipeline.start((error) =>
-      reportFailure(new RuntimeFailure(`route ${settings.sourceQueue}: internal error: ${error.message}`)),
+      reportFailure(new RuntimeFailure(`route ${settings.route}: internal error: ${error.message}`)),
     );
   } catch (error) {
     // e.g. basic.consume refused (an exclusive consumer holds the queue): nothing may keep running.
@@ -158,8 +158,8 @@ export async function startBridge(
     outage() {
       const now = Date.now();
       const down: [string, number | undefined][] = [
-        [sourceWhere, sourceLink.downSince],
-        [targetWhere, targetLink.downSince],
+        [sourceLink.where, sourceLink.downSince],
+        [targetLink.where, targetLink.downSince],
         [`Redis at ${redactUrl(settings.redisUrl)}`, redisDownSince],
       ];
       let worst: { what: string; ms: number } | undefined;
