@@ -1,4 +1,4 @@
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
@@ -278,6 +278,21 @@ describe('config file', () => {
         },
       ],
     });
+  });
+});
+
+describe('the README example', () => {
+  it('is a valid config file', () => {
+    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+    const example = [...readme.matchAll(/```yaml\n([\s\S]*?)```/g)]
+      .map((match) => match[1] as string)
+      .find((text) => text.includes('routes:'));
+    expect(example).toBeDefined();
+    const routes = loadConfigRoutes(configFile(example as string), {}, 'run');
+    expect(routes.map((route) => [route.route, route.sourceUrls.length])).toEqual([
+      ['orders', 2],
+      ['audit', 2],
+    ]);
   });
 });
 
