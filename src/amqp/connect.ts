@@ -54,7 +54,10 @@ export async function connectAmqpAny(
       if (fatal) throw fatal;
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
       const elapsed = Date.now() - started;
-      if (options.retryForMs > 0 && elapsed >= options.retryForMs) throw unreachable(where, error, elapsed);
+      if (options.retryForMs > 0 && elapsed >= options.retryForMs) {
+        const all = urls.length > 1 ? `${options.side} broker at ${urls.map(redactUrl).join(', ')}` : where;
+        throw unreachable(all, error, elapsed);
+      }
       const round = Math.ceil(attempt / urls.length);
       const delay = attempt % urls.length === 0 ? backoffDelay(round) : 0;
       options.log.warn(

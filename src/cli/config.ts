@@ -10,7 +10,7 @@ export function addConfigCommands(program: Command, setExitCode: (code: number) 
     .command('check <file>')
     .description('validate a config file and print its effective settings, passwords masked')
     .action((path: string) => {
-      const file = loadConfigFile(path);
+      const file = loadConfigFile(path, 'config check');
       const routes = resolveConfigRoutes(path, file, {}, 'run');
       const summary = `# ${path}: valid, ${routes.length} route${routes.length === 1 ? '' : 's'}`;
       process.stdout.write(`${summary}\n${stringify(describeConfig(file, routes))}`);

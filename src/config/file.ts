@@ -11,12 +11,14 @@ import {
   type BridgeSettings,
   count,
   DEFAULTS,
+  exchangeName,
   name,
   type RawOptions,
   REDIS_PREFIX_PATTERN,
   redisUrl,
   resolveBridgeSettings,
   SCOPE_PATTERN,
+  unroutablePolicy,
 } from './settings.js';
 
 // A config file describes many routes for one `run` process. This module validates it with paths
@@ -92,8 +94,6 @@ const idFrom = z
     }
   });
 
-const policy = z.enum(['requeue', 'dead-letter', 'park'], { error: 'must be requeue, dead-letter or park' });
-
 /** Settings a route may set, and `defaults` may set for every route. */
 const routeSettings = {
   idFrom: idFrom.optional(),
@@ -101,7 +101,7 @@ const routeSettings = {
   prefetch: whole(1, 65535).optional(),
   batchSize: whole(1, 5000).optional(),
   lease: duration.optional(),
-  onUnroutable: policy.optional(),
+  onUnroutable: unroutablePolicy.optional(),
   parkQueue: name.optional(),
 };
 
@@ -113,10 +113,7 @@ const route = z
       .object({
         broker: z.string(),
         queue: name.optional(),
-        exchange: z
-          .string()
-          .refine((value) => Buffer.byteLength(value) <= 255, 'is too long')
-          .optional(),
+        exchange: exchangeName.optional(),
         routingKey: z.string().optional(),
         tls: tlsFiles.optional(),
       })
@@ -169,18 +166,17 @@ const fileSchema = z
         }
       }
       // Two routes on one queue would split its messages between them: say which one is meant.
+      // Brokers are compared by URL: two names for one cluster (or one shared node) are one broker.
       const source = file.brokers[item.source.broker];
-      if (source) {
-        const key = JSON.stringify([[...urlsOf(source)].sort(), item.source.queue]);
-        const other = consumers.get(key);
-        if (other !== undefined) {
-          issue(
-            ['source', 'queue'],
-            `routes[${other}] already consumes queue "${item.source.queue}" on this broker; one route per source queue`,
-          );
-        }
-        consumers.set(key, index);
+      const keys = source ? urlsOf(source).map((url) => JSON.stringify([url, item.source.queue])) : [];
+      const other = keys.map((key) => consumers.get(key)).find((found) => found !== undefined);
+      if (other !== undefined) {
+        issue(
+          ['source', 'queue'],
+          `routes[${other}] already consumes queue "${item.source.queue}" on this broker; one route per source queue`,
+        );
       }
+      for (const key of keys) if (!consumers.has(key)) consumers.set(key, index);
 
       const target = item.target;
       if (target.queue === undefined && target.exchange === undefined) {
@@ -272,13 +268,13 @@ function describeIssue(issue: z.core.$ZodIssue, data: unknown): { path: string; 
 }
 
 /** Reads and validates a config file; a problem is a ConfigError `<file>: <path>: <what is wrong>`. */
-export function loadConfigFile(path: string): ConfigFile {
+export function loadConfigFile(path: string, what = '--config'): ConfigFile {
   let text: string;
   try {
     text = readFileSync(path, 'utf8');
   } catch (error) {
     const code = (error as NodeJS.ErrnoException).code ?? 'unreadable';
-    throw new ConfigError(`--config: cannot read "${path}" (${code})`);
+    throw new ConfigError(`${what}: cannot read "${path}" (${code})`);
   }
   let data: unknown;
   try {

@@ -142,6 +142,11 @@ export const name = z
   .string()
   .min(1, 'must not be empty')
   .refine((value) => Buffer.byteLength(value) <= 255, 'is longer than 255 bytes');
+// '' is the default exchange.
+export const exchangeName = z.string().refine((value) => Buffer.byteLength(value) <= 255, 'is too long');
+export const unroutablePolicy = z.enum(['requeue', 'dead-letter', 'park'], {
+  error: 'must be requeue, dead-letter or park',
+});
 export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
 export const count = (min: number, max: number) =>
   z
@@ -156,10 +161,7 @@ const rawSchema = z
     sourceQueue: name,
     target: amqpUrlList,
     targetQueue: name.optional(),
-    targetExchange: z
-      .string()
-      .refine((value) => Buffer.byteLength(value) <= 255, 'is too long')
-      .optional(),
+    targetExchange: exchangeName.optional(),
     targetRoutingKey: z.string().optional(),
     redis: redisUrl,
     redisPrefix: z
@@ -168,9 +170,7 @@ const rawSchema = z
     scope: z.string().regex(SCOPE_PATTERN, 'must be non-empty, without braces or spaces').optional(),
     prefetch: count(1, 65535),
     batchSize: count(1, 5000),
-    onUnroutable: z.enum(['requeue', 'dead-letter', 'park'], {
-      error: 'must be requeue, dead-letter or park',
-    }),
+    onUnroutable: unroutablePolicy,
     parkQueue: name.optional(),
     logLevel: z.enum(LOG_LEVELS as [LogLevel, ...LogLevel[]], {
       error: `must be one of ${LOG_LEVELS.join(', ')}`,
