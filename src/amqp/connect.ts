@@ -21,10 +21,24 @@ export class ConnectCancelled extends Error {}
  * failing at once on errors that retrying cannot fix (wrong credentials, a missing vhost).
  */
 export async function connectAmqp(url: string, options: ConnectOptions): Promise<ChannelModel> {
-  const where = `${options.side} broker at ${redactUrl(url)}`;
-  const secret = passwordOf(url);
+  return (await connectAmqpAny([url], 0, options)).connection;
+}
+
+/**
+ * Like connectAmqp, for the nodes of a cluster: starts at `urls[startAt]` and moves to the next URL
+ * after each failed attempt, backing off only once every URL of a round has failed. Returns the
+ * connection and the index of the URL it reached.
+ */
+export async function connectAmqpAny(
+  urls: readonly string[],
+  startAt: number,
+  options: ConnectOptions,
+): Promise<{ connection: ChannelModel; index: number }> {
   const started = Date.now();
   for (let attempt = 1; ; attempt++) {
+    const index = (startAt + attempt - 1) % urls.length;
+    const url = urls[index] as string;
+    const where = `${options.side} broker at ${redactUrl(url)}`;
     try {
       const connection = await amqp.connect(url, {
         clientProperties: { connection_name: `dedup-bridge ${options.side}` },
@@ -34,20 +48,29 @@ export async function connectAmqp(url: string, options: ConnectOptions): Promise
       });
       // amqplib rethrows 'error' events that nobody listens to; the caller attaches its own too.
       connection.on('error', () => {});
-      return connection;
+      return { connection, index };
     } catch (error) {
       const fatal = classifyConnectError(error, where);
       if (fatal) throw fatal;
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
       const elapsed = Date.now() - started;
-      if (options.retryForMs > 0 && elapsed >= options.retryForMs) throw unreachable(where, error, elapsed);
-      const delay = backoffDelay(attempt);
+      if (options.retryForMs > 0 && elapsed >= options.retryForMs) {
+        const all = urls.length > 1 ? `${options.side} broker at ${urls.map(redactUrl).join(', ')}` : where;
+        throw unreachable(all, error, elapsed);
+      }
+      const round = Math.ceil(attempt / urls.length);
+      const delay = attempt % urls.length === 0 ? backoffDelay(round) : 0;
       // One line when retrying starts; further attempts only at debug level (state changes, not noise).
       options.log[attempt === 1 ? 'warn' : 'debug'](
-        { side: options.side, attempt, delayMs: delay, error: redactSecrets(describe(error), [secret]) },
-        `${where} not reachable; retrying`,
+        {
+          side: options.side,
+          attempt,
+          delayMs: delay,
+          error: redactSecrets(describe(error), [passwordOf(url)]),
+        },
+        urls.length > 1 ? `${where} not reachable; trying the next URL` : `${where} not reachable; retrying`,
       );
-      await sleep(delay);
+      if (delay > 0) await sleep(delay);
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
     }
   }

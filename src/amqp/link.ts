@@ -3,7 +3,7 @@ import { redactUrl } from '../config/redact.js';
 import { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
-import { ConnectCancelled, connectAmqp } from './connect.js';
+import { ConnectCancelled, connectAmqpAny } from './connect.js';
 import { describe } from './errors.js';
 
 // A broker under a resource alarm may never read our Close: give it this long, then drop the socket.
@@ -39,7 +39,10 @@ export interface LinkOptions {
  * by the owner calling `reset()`, which reconnects the whole side.
  */
 export class AmqpLink {
-  readonly where: string;
+  /** The broker in use (with several URLs, the last one tried or reached). */
+  where: string;
+  /** Which of the URLs the next connect starts at: after a loss, the one after the lost node. */
+  private next = 0;
   private connection: ChannelModel | undefined;
   private closing = false;
   private reconnecting = false;
@@ -47,13 +50,21 @@ export class AmqpLink {
   downSince: number | undefined;
   onFatal: (error: BridgeError) => void = () => {};
 
+  private readonly urls: readonly string[];
+
+  /** `url` is one broker, or the nodes of a cluster to fail over between. */
   constructor(
-    private readonly url: string,
+    url: string | readonly string[],
     private readonly options: LinkOptions,
     private readonly setup: (connection: ChannelModel) => Promise<void>,
     private readonly teardown: () => void,
   ) {
-    this.where = `${options.side} broker at ${redactUrl(url)}`;
+    this.urls = typeof url === 'string' ? [url] : url;
+    this.where = this.describeUrl(0);
+  }
+
+  private describeUrl(index: number): string {
+    return `${this.options.side} broker at ${redactUrl(this.urls[index] as string)}`;
   }
 
   /** Connects for the first time; rejects with the operator's error when that fails. */
@@ -62,12 +73,15 @@ export class AmqpLink {
   }
 
   private async connectOnce(retryForMs: number): Promise<void> {
-    const connection = await connectAmqp(this.url, {
+    const { connection, index } = await connectAmqpAny(this.urls, this.next, {
       side: this.options.side,
       retryForMs,
       log: this.options.log,
       cancelled: () => this.closing,
     });
+    this.where = this.describeUrl(index);
+    // A failed setup (e.g. that node is out of the cluster) or a later loss moves on to the next node.
+    this.next = (index + 1) % this.urls.length;
     try {
       await this.setup(connection);
     } catch (error) {

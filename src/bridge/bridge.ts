@@ -69,13 +69,13 @@ export async function startBridge(
   );
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
-    settings.sourceUrl,
+    settings.sourceUrls,
     { side: 'source', retryForMs: settings.retryForMs, log: routeLog },
     (connection) => source.attach(connection),
     () => source.detach(),
   );
   const targetLink = new AmqpLink(
-    settings.targetUrl,
+    settings.targetUrls,
     { side: 'target', retryForMs: settings.retryForMs, log: routeLog },
     (connection) => target.attach(connection),
     () => target.detach(),
@@ -178,8 +178,8 @@ export async function startBridge(
     outage() {
       const now = Date.now();
       const down: [string, number | undefined][] = [
-        [sourceWhere, sourceLink.downSince],
-        [targetWhere, targetLink.downSince],
+        [sourceLink.where, sourceLink.downSince],
+        [targetLink.where, targetLink.downSince],
         [`Redis at ${redactUrl(settings.redisUrl)}`, redisDownSince],
       ];
       let worst: { what: string; ms: number } | undefined;

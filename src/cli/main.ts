@@ -2,17 +2,19 @@ import { readFileSync } from 'node:fs';
 import { access, constants } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
-import { type Bridge, startBridge } from '../bridge/bridge.js';
+import { startRoutes, superviseRoutes } from '../bridge/routes.js';
+import { loadConfigRoutes } from '../config/file.js';
 import { type MigrateRawOptions, resolveMigrateSettings } from '../config/migrate-settings.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
-import { BridgeError, ConfigError, ExitCode, UnavailableError } from '../errors.js';
+import { BridgeError, ConfigError, ExitCode } from '../errors.js';
 import { formatJobReport } from '../migrate/report.js';
 import { runMigration, writeReport } from '../migrate/runner.js';
 import { createLogger, type Logger } from '../observe/log.js';
 import { type ObserveServer, resolveMetricsEndpoint, startObserveServer } from '../observe/server.js';
 import { addCacheCommands } from './cache.js';
-import { addBridgeOptions, addMigrateOptions } from './options.js';
+import { addConfigCommands } from './config.js';
+import { addBridgeOptions, addConfigOption, addMigrateOptions } from './options.js';
 import { onStopSignal } from './signals.js';
 
 /** Runs the CLI and returns the exit code; it prints at most one line per error on stderr. */
@@ -40,11 +42,13 @@ function buildProgram(): Command {
     .showSuggestionAfterError(false)
     .configureOutput({ outputError: () => {} });
 
-  addBridgeOptions(
-    program
-      .command('run')
-      .description('forward until stopped (SIGINT/SIGTERM: finish in-flight, then exit 0)'),
-    'run',
+  addConfigOption(
+    addBridgeOptions(
+      program
+        .command('run')
+        .description('forward until stopped (SIGINT/SIGTERM: finish in-flight, then exit 0)'),
+      'run',
+    ),
   )
     .addOption(new Option('--fault-crash-after-confirm', 'test hook').hideHelp())
     .action(async (raw: RunRawOptions) => {
@@ -62,19 +66,24 @@ function buildProgram(): Command {
   addCacheCommands(program, (code) => {
     exitCode = code;
   });
+  addConfigCommands(program, (code) => {
+    exitCode = code;
+  });
   return program;
 }
 
-type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: boolean };
+type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: boolean; config?: string };
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
-  const settings = resolveBridgeSettings(raw, 'run');
+  // One route from the flags, or every route of a config file (flags override a single route).
+  const routes = raw.config ? loadConfigRoutes(raw.config, raw, 'run') : [resolveBridgeSettings(raw, 'run')];
+  const first = routes[0] as BridgeSettings;
   const metricsEndpoint = resolveMetricsEndpoint(raw);
-  const log = createLogger(settings.logLevel, process.stdout.isTTY === true);
+  const log = createLogger(first.logLevel, process.stdout.isTTY === true);
   // Listening first: a taken port fails at once, and /healthz answers while the servers are sought.
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   try {
-    return await forwardUntilStopped(raw, settings, log, observer);
+    return await forwardUntilStopped(raw, routes, log, observer);
   } finally {
     await observer?.close();
   }
@@ -82,56 +91,20 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
 
 async function forwardUntilStopped(
   raw: RunRawOptions,
-  settings: BridgeSettings,
+  routes: BridgeSettings[],
   log: Logger,
   observer: ObserveServer | undefined,
 ): Promise<number> {
-  await checkRedis(settings.redisUrl, settings.retryForMs, raw.strict === true, log);
+  const first = routes[0] as BridgeSettings;
+  await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
   const signal = onStopSignal();
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
   const crash = raw.faultCrashAfterConfirm
     ? { afterConfirm: () => process.kill(process.pid, 'SIGKILL') }
     : {};
-  const bridge = await startBridge(settings, log, crash);
-  observer?.add(bridge);
-  const outage = watchOutage(bridge, settings.retryForMs);
-  const first = await Promise.race([
-    signal.first.then(() => 'signal' as const),
-    bridge.failure,
-    outage.failed,
-  ]);
-  outage.stop();
-  if (first === 'signal') {
-    const routeLog = log.child({ route: settings.route });
-    routeLog.info({ timeoutMs: settings.shutdownTimeoutMs }, 'stopping: finishing in-flight messages');
-    const unfinished = await bridge.stop(settings.shutdownTimeoutMs);
-    await bridge.close();
-    routeLog.info({ unfinished, counters: bridge.pipeline.counters }, 'stopped');
-    return ExitCode.ok;
-  }
-  // Retrying cannot fix this (a queue deleted, credentials revoked): release and report.
-  await bridge.stop(settings.shutdownTimeoutMs);
-  await bridge.close();
-  throw first;
-}
-
-/** With --retry-for, `run` gives up when a server stays unreachable that long (default: never). */
-function watchOutage(bridge: Bridge, retryForMs: number): { failed: Promise<BridgeError>; stop(): void } {
-  let timer: NodeJS.Timeout | undefined;
-  const failed = new Promise<BridgeError>((resolve) => {
-    if (retryForMs <= 0) return;
-    timer = setInterval(() => {
-      const outage = bridge.outage();
-      if (outage && outage.ms >= retryForMs) {
-        resolve(
-          new UnavailableError(
-            `${outage.what} unreachable for ${Math.round(outage.ms / 1000)}s (--retry-for); nothing unforwarded was acked`,
-          ),
-        );
-      }
-    }, 500);
-  });
-  return { failed, stop: () => clearInterval(timer) };
+  const bridges = await startRoutes(routes, log, crash);
+  for (const bridge of bridges) observer?.add(bridge);
+  return superviseRoutes(bridges, routes, signal.first, log);
 }
 
 async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Promise<number> {

@@ -59,17 +59,31 @@ export function addMigrateOptions(command: Command): Command {
     .option('--report <file>', 'write the report as JSON to this file');
 }
 
+/** `run --config`: the routes come from a file. */
+export function addConfigOption(command: Command): Command {
+  return command.addOption(
+    new Option('--config <file>', 'YAML file of brokers and routes, all run in this process').env(
+      'DEDUP_BRIDGE_CONFIG',
+    ),
+  );
+}
+
 /** The options `run` and `migrate` share; defaults are filled in by config/settings, not here. */
 export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Command {
   const retryDefault = mode === 'run' ? 'retry forever' : DEFAULTS.migrateRetryFor;
   return command
     .addOption(
-      new Option('--source <url>', 'source broker, amqp://user:password@host:5672/vhost').env(
-        'DEDUP_BRIDGE_SOURCE',
-      ),
+      new Option(
+        '--source <url>',
+        'source broker, amqp://user:password@host:5672/vhost (cluster nodes: comma-separated URLs)',
+      ).env('DEDUP_BRIDGE_SOURCE'),
     )
     .addOption(sourceQueueOption(mode))
-    .addOption(new Option('--target <url>', 'target broker URL').env('DEDUP_BRIDGE_TARGET'))
+    .addOption(
+      new Option('--target <url>', 'target broker URL (cluster nodes: comma-separated URLs)').env(
+        'DEDUP_BRIDGE_TARGET',
+      ),
+    )
     .option('--target-queue <name>', 'publish through the default exchange to this queue')
     .option('--target-exchange <name>', 'publish to this exchange instead')
     .option('--target-routing-key <key>', "routing key with --target-exchange (default: the message's own)")

@@ -56,11 +56,16 @@ export interface RawOptions {
 }
 
 export interface BridgeSettings {
-  /** Names the route in logs and metrics: the source queue (flags), or the route's name (config file). */
+  /** Names the route in logs and metrics: the source queue, or the route's name in a config file. */
   route: string;
+  /** The first of sourceUrls: the one named in messages and job names. */
   sourceUrl: string;
+  /** Nodes of the source cluster, tried in turn (the next one on each failure or lost connection). */
+  sourceUrls: string[];
   sourceQueue: string;
+  /** The first of targetUrls. */
   targetUrl: string;
+  targetUrls: string[];
   /** '' is the default exchange. */
   targetExchange: string;
   /** Set for --target-queue (the queue name) and --target-routing-key; else each message's own key. */
@@ -86,7 +91,7 @@ export interface BridgeSettings {
 }
 
 /** A dedup scope goes inside the key's {hash tag}: no braces, no spaces. */
-const SCOPE_PATTERN = /^[^{}\s]+$/;
+export const SCOPE_PATTERN = /^[^{}\s]+$/;
 
 /** Which flag (and variable) sets each field, for error messages. */
 const FLAG: Record<string, string> = {
@@ -127,14 +132,30 @@ function urlWith(protocols: string[], example: string) {
   });
 }
 
-const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');
-const redisUrl = urlWith(['redis:', 'rediss:'], 'redis://host:6379');
+export const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');
+/** One URL, or several comma-separated (the nodes of a cluster, tried in turn). */
+const amqpUrlList = z
+  .string()
+  .transform((value) =>
+    value
+      .split(',')
+      .map((item) => item.trim())
+      .filter((item) => item.length > 0),
+  )
+  .pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
+export const redisUrl = urlWith(['redis:', 'rediss:'], 'redis://host:6379');
 // RabbitMQ limits names to 255 bytes.
-const name = z
+export const name = z
   .string()
   .min(1, 'must not be empty')
   .refine((value) => Buffer.byteLength(value) <= 255, 'is longer than 255 bytes');
-const count = (min: number, max: number) =>
+// '' is the default exchange.
+export const exchangeName = z.string().refine((value) => Buffer.byteLength(value) <= 255, 'is too long');
+export const unroutablePolicy = z.enum(['requeue', 'dead-letter', 'park'], {
+  error: 'must be requeue, dead-letter or park',
+});
+export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
+export const count = (min: number, max: number) =>
   z
     .string()
     .regex(/^\d+$/, 'must be a whole number')
@@ -143,26 +164,23 @@ const count = (min: number, max: number) =>
 
 const rawSchema = z
   .object({
-    source: amqpUrl,
+    source: amqpUrlList,
     sourceQueue: name,
-    target: amqpUrl,
+    target: amqpUrlList,
     targetQueue: name.optional(),
-    targetExchange: z
-      .string()
-      .refine((value) => Buffer.byteLength(value) <= 255, 'is too long')
-      .optional(),
+    targetExchange: exchangeName.optional(),
     targetRoutingKey: z.string().optional(),
     redis: redisUrl,
-    redisPrefix: z.string().regex(/^[^{}:\s]+$/, 'must be non-empty, without braces, colons or spaces'),
+    redisPrefix: z
+      .string()
+      .regex(REDIS_PREFIX_PATTERN, 'must be non-empty, without braces, colons or spaces'),
     scope: z.string().regex(SCOPE_PATTERN, 'must be non-empty, without braces or spaces').optional(),
     prefetch: count(1, 65535),
     batchSize: count(1, 5000),
     cacheShards: z.union([z.literal('auto'), count(1, 1024)], {
       error: 'must be auto or a whole number from 1 to 1024',
     }),
-    onUnroutable: z.enum(['requeue', 'dead-letter', 'park'], {
-      error: 'must be requeue, dead-letter or park',
-    }),
+    onUnroutable: unroutablePolicy,
     parkQueue: name.optional(),
     logLevel: z.enum(LOG_LEVELS as [LogLevel, ...LogLevel[]], {
       error: `must be one of ${LOG_LEVELS.join(', ')}`,
@@ -264,13 +282,19 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
   if (leaseMs < 1000) throw new ConfigError('--lease: must be at least 1s');
   const dedupWindowMs = parseDuration(raw.dedupWindow ?? DEFAULTS.dedupWindow, '--dedup-window');
   if (dedupWindowMs <= leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
-  const targetUser = userOf(options.target);
+  const targetUser = userOf(options.target[0] as string);
+  // The user must be the same on every node: it is stamped on each message as its user-id.
+  if (options.target.some((url) => userOf(url) !== targetUser)) {
+    throw new ConfigError('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
+  }
 
   return {
     route: options.sourceQueue,
-    sourceUrl: options.source,
+    sourceUrl: options.source[0] as string,
+    sourceUrls: options.source,
     sourceQueue: options.sourceQueue,
-    targetUrl: options.target,
+    targetUrl: options.target[0] as string,
+    targetUrls: options.target,
     targetExchange,
     targetRoutingKey,
     targetQueue: options.targetQueue,

@@ -1,0 +1,490 @@
+import { readFileSync } from 'node:fs';
+import { parse as parseYaml } from 'yaml';
+import { z } from 'zod';
+import { describeStrategy, parseIdFrom } from '../dedup/id.js';
+import { ConfigError } from '../errors.js';
+import { LOG_LEVELS } from '../observe/log.js';
+import { formatDuration, parseDuration } from './duration.js';
+import { redactUrl } from './redact.js';
+import {
+  amqpUrl,
+  type BridgeSettings,
+  count,
+  DEFAULTS,
+  exchangeName,
+  name,
+  type RawOptions,
+  REDIS_PREFIX_PATTERN,
+  redisUrl,
+  resolveBridgeSettings,
+  SCOPE_PATTERN,
+  unroutablePolicy,
+} from './settings.js';
+
+// A config file describes many routes for one `run` process. This module validates it with paths
+// (`routes[2].target.exchange: …`) and turns each route into RawOptions, so that resolveBridgeSettings
+// stays the one place that fills in defaults and builds BridgeSettings.
+
+/** Client certificate and CA files for one connection (fed to the TLS options). */
+const tlsFiles = z
+  .object({
+    ca: z.string().min(1, 'must not be empty').optional(),
+    cert: z.string().min(1, 'must not be empty').optional(),
+    key: z.string().min(1, 'must not be empty').optional(),
+  })
+  .strict();
+
+// URLs travel to resolveBridgeSettings comma-joined, like the --source flag.
+const brokerUrl = amqpUrl.refine(
+  (value) => !value.includes(','),
+  'must not contain a comma; write it as %2C',
+);
+
+const broker = z
+  .object({
+    url: brokerUrl.optional(),
+    urls: z.array(brokerUrl).min(1, 'list at least one URL').optional(),
+    tls: tlsFiles.optional(),
+  })
+  .strict()
+  .superRefine((value, ctx) => {
+    if ((value.url === undefined) === (value.urls === undefined)) {
+      ctx.addIssue({
+        code: 'custom',
+        path: ['url'],
+        message: 'give url (one node) or urls (the nodes of a cluster), not both and not neither',
+      });
+    }
+  });
+
+function millis(text: string): number | undefined {
+  try {
+    return parseDuration(text, '');
+  } catch {
+    return undefined;
+  }
+}
+
+const duration = z.string().superRefine((value, ctx) => {
+  if (millis(value) === undefined) {
+    ctx.addIssue({
+      code: 'custom',
+      message: `"${value}" is not a duration; use e.g. 500ms, 2s, 5m, 1h30m, 7d`,
+    });
+  }
+});
+
+/** A YAML number or a string of digits, checked like the flag. */
+const whole = (min: number, max: number) =>
+  z
+    .union([z.number(), z.string()], { error: 'must be a whole number' })
+    .transform(String)
+    .pipe(count(min, max));
+
+const idFrom = z
+  .union([z.string(), z.array(z.string())], {
+    error: 'must be a list of strategies, e.g. [header:_HQ_DUPL_ID, message-id]',
+  })
+  .transform((value) => (Array.isArray(value) ? value.join(',') : value))
+  .superRefine((value, ctx) => {
+    try {
+      parseIdFrom(value);
+    } catch (error) {
+      ctx.addIssue({ code: 'custom', message: (error as Error).message.replace(/^--id-from: /, '') });
+    }
+  });
+
+/** Settings a route may set, and `defaults` may set for every route. */
+const routeSettings = {
+  idFrom: idFrom.optional(),
+  dedupWindow: duration.optional(),
+  prefetch: whole(1, 65535).optional(),
+  batchSize: whole(1, 5000).optional(),
+  cacheShards: z.union([z.literal('auto'), whole(1, 1024)]).optional(),
+  lease: duration.optional(),
+  onUnroutable: unroutablePolicy.optional(),
+  parkQueue: name.optional(),
+};
+
+const route = z
+  .object({
+    name: z.string().regex(/^[\w.:-]+$/, 'must be non-empty: letters, digits, and . _ : -'),
+    source: z.object({ broker: z.string(), queue: name, tls: tlsFiles.optional() }).strict(),
+    target: z
+      .object({
+        broker: z.string(),
+        queue: name.optional(),
+        exchange: exchangeName.optional(),
+        routingKey: z.string().optional(),
+        tls: tlsFiles.optional(),
+      })
+      .strict(),
+    scope: z.string().regex(SCOPE_PATTERN, 'must be non-empty, without braces or spaces').optional(),
+    ...routeSettings,
+  })
+  .strict();
+
+const fileSchema = z
+  .object({
+    brokers: z.record(z.string(), broker),
+    redis: z
+      .object({
+        url: redisUrl.optional(),
+        prefix: z
+          .string()
+          .regex(REDIS_PREFIX_PATTERN, 'must be non-empty, without braces, colons or spaces')
+          .optional(),
+        tls: tlsFiles.optional(),
+      })
+      .strict()
+      .optional(),
+    defaults: z.object(routeSettings).strict().optional(),
+    retryFor: duration.optional(),
+    shutdownTimeout: duration.optional(),
+    logLevel: z.enum(LOG_LEVELS, { error: `must be one of ${LOG_LEVELS.join(', ')}` }).optional(),
+    routes: z.array(route).min(1, 'list at least one route'),
+  })
+  .strict()
+  .superRefine((file, ctx) => {
+    const names = new Map<string, number>();
+    const consumers = new Map<string, number>();
+    for (const [index, item] of file.routes.entries()) {
+      const at = (...path: (string | number)[]) => ['routes', index, ...path];
+      const issue = (path: (string | number)[], message: string) =>
+        ctx.addIssue({ code: 'custom', path: at(...path), message });
+      const earlier = names.get(item.name);
+      if (earlier !== undefined) issue(['name'], `"${item.name}" is already the name of routes[${earlier}]`);
+      names.set(item.name, index);
+
+      for (const side of ['source', 'target'] as const) {
+        const wanted = item[side].broker;
+        if (!Object.hasOwn(file.brokers, wanted)) {
+          const known = Object.keys(file.brokers);
+          issue(
+            [side, 'broker'],
+            `no broker "${wanted}" under brokers${known.length > 0 ? ` (there are: ${known.join(', ')})` : ''}`,
+          );
+        }
+      }
+      // Two routes on one queue would split its messages between them: say which one is meant.
+      // Brokers are compared by URL: two names for one cluster (or one shared node) are one broker.
+      const source = file.brokers[item.source.broker];
+      const keys = source ? urlsOf(source).map((url) => JSON.stringify([url, item.source.queue])) : [];
+      const other = keys.map((key) => consumers.get(key)).find((found) => found !== undefined);
+      if (other !== undefined) {
+        issue(
+          ['source', 'queue'],
+          `routes[${other}] already consumes queue "${item.source.queue}" on this broker; one route per source queue`,
+        );
+      }
+      for (const key of keys) if (!consumers.has(key)) consumers.set(key, index);
+
+      const target = item.target;
+      if (target.queue === undefined && target.exchange === undefined) {
+        issue(['target'], 'give queue, or exchange (with routingKey)');
+      }
+      if (target.queue !== undefined && target.exchange !== undefined) {
+        issue(['target', 'exchange'], 'give either queue or exchange, not both');
+      }
+      if (target.routingKey !== undefined && target.exchange === undefined) {
+        issue(['target', 'routingKey'], 'goes with exchange; with queue the routing key is the queue name');
+      }
+      if (item.scope === undefined && target.queue !== undefined && /[{}\s]/.test(target.queue)) {
+        issue(
+          ['scope'],
+          `the target queue "${target.queue}" has braces or spaces; give a scope without them`,
+        );
+      }
+      if (item.scope === undefined && target.exchange !== undefined && /[{}\s]/.test(target.exchange)) {
+        issue(
+          ['scope'],
+          `the target exchange "${target.exchange}" has braces or spaces; give a scope without them`,
+        );
+      }
+
+      const merged = { ...file.defaults, ...item };
+      const onUnroutable = onUnroutableOf(merged);
+      if (onUnroutable === 'park' && merged.parkQueue === undefined) {
+        issue(['parkQueue'], 'onUnroutable park needs parkQueue (here or under defaults)');
+      }
+      if (merged.parkQueue !== undefined && onUnroutable !== 'park') {
+        issue(['parkQueue'], `cannot be combined with onUnroutable ${onUnroutable}`);
+      }
+      // Zod runs this check even when a field failed: skip what did not parse (already reported).
+      const leaseMs = millis(merged.lease ?? DEFAULTS.lease);
+      const windowMs = millis(merged.dedupWindow ?? DEFAULTS.dedupWindow);
+      if (leaseMs !== undefined && leaseMs < 1000) issue(['lease'], 'must be at least 1s');
+      if (leaseMs !== undefined && windowMs !== undefined && windowMs <= leaseMs) {
+        issue(['dedupWindow'], 'must be longer than the lease');
+      }
+    }
+  });
+
+export type ConfigFile = z.infer<typeof fileSchema>;
+type Broker = z.infer<typeof broker>;
+type Route = z.infer<typeof route>;
+
+function urlsOf(item: Broker): string[] {
+  return item.urls ?? (item.url === undefined ? [] : [item.url]);
+}
+
+/** A parkQueue alone implies the park policy, as --park-queue does. */
+function onUnroutableOf(settings: { onUnroutable?: string | undefined; parkQueue?: string | undefined }) {
+  return settings.onUnroutable ?? (settings.parkQueue !== undefined ? 'park' : DEFAULTS.onUnroutable);
+}
+
+/** `routes[2].target.exchange` from a zod path. */
+function pathText(path: readonly PropertyKey[]): string {
+  return path
+    .map((part) => (typeof part === 'number' ? `[${part}]` : `.${String(part)}`))
+    .join('')
+    .replace(/^\./, '');
+}
+
+/** The value at a zod path of the parsed YAML (zod leaves it out of its issues). */
+function valueAt(data: unknown, path: readonly PropertyKey[]): unknown {
+  let value = data;
+  for (const part of path) {
+    if (value === null || typeof value !== 'object') return undefined;
+    value = (value as Record<PropertyKey, unknown>)[part];
+  }
+  return value;
+}
+
+function describeIssue(issue: z.core.$ZodIssue, data: unknown): { path: string; message: string } {
+  if (issue.code === 'unrecognized_keys') {
+    return { path: pathText([...issue.path, issue.keys[0] as string]), message: 'is not a known key' };
+  }
+  let message = issue.message;
+  if (issue.code === 'invalid_type') {
+    const expected =
+      issue.expected === 'array'
+        ? 'a list'
+        : issue.expected === 'object'
+          ? 'a mapping'
+          : `a ${issue.expected}`;
+    message = valueAt(data, issue.path) === undefined ? 'is required' : `must be ${expected}`;
+  }
+  return { path: pathText(issue.path), message };
+}
+
+/** Reads and validates a config file; a problem is a ConfigError `<file>: <path>: <what is wrong>`. */
+export function loadConfigFile(path: string, what = '--config'): ConfigFile {
+  let text: string;
+  try {
+    text = readFileSync(path, 'utf8');
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code ?? 'unreadable';
+    throw new ConfigError(`${what}: cannot read "${path}" (${code})`);
+  }
+  let data: unknown;
+  try {
+    data = parseYaml(text);
+  } catch (error) {
+    throw new ConfigError(`${path}: not valid YAML: ${(error as Error).message.split('\n')[0]}`);
+  }
+  data ??= {};
+  const parsed = fileSchema.safeParse(data);
+  if (!parsed.success) {
+    const first = describeIssue(parsed.error.issues[0] as z.core.$ZodIssue, data);
+    throw new ConfigError(`${path}: ${first.path || 'top level'}: ${first.message}`);
+  }
+  return parsed.data;
+}
+
+/** TLS file options, named as the TLS flags name them (--source-ca …). */
+export interface TlsRaw {
+  sourceCa?: string;
+  sourceCert?: string;
+  sourceKey?: string;
+  targetCa?: string;
+  targetCert?: string;
+  targetKey?: string;
+  redisCa?: string;
+  redisCert?: string;
+  redisKey?: string;
+}
+
+/** Options that belong to one route: with several routes in the file, giving one as a flag is an error. */
+const ROUTE_OPTIONS = [
+  'source',
+  'sourceQueue',
+  'target',
+  'targetQueue',
+  'targetExchange',
+  'targetRoutingKey',
+  'scope',
+  'idFrom',
+  'dedupWindow',
+  'prefetch',
+  'batchSize',
+  'cacheShards',
+  'lease',
+  'onUnroutable',
+  'parkQueue',
+  'sourceCa',
+  'sourceCert',
+  'sourceKey',
+  'targetCa',
+  'targetCert',
+  'targetKey',
+] as const;
+
+const ENV_OF: Record<string, string> = {
+  source: 'DEDUP_BRIDGE_SOURCE',
+  sourceQueue: 'DEDUP_BRIDGE_SOURCE_QUEUE',
+  target: 'DEDUP_BRIDGE_TARGET',
+};
+
+function flagOf(option: string): string {
+  const flag = `--${option.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`)}`;
+  const env = ENV_OF[option];
+  return env ? `${flag} (or ${env})` : flag;
+}
+
+function withoutUndefined<T extends object>(value: T): Partial<T> {
+  return Object.fromEntries(Object.entries(value).filter(([, item]) => item !== undefined)) as Partial<T>;
+}
+
+/** One route of the file as the options the CLI would have collected for it. */
+function routeOptions(file: ConfigFile, item: Route): RawOptions & TlsRaw {
+  const settings = { ...withoutUndefined(file.defaults ?? {}), ...withoutUndefined(item) };
+  const source = file.brokers[item.source.broker] as Broker;
+  const target = file.brokers[item.target.broker] as Broker;
+  const sourceTls = item.source.tls ?? source.tls;
+  const targetTls = item.target.tls ?? target.tls;
+  return {
+    source: urlsOf(source).join(','),
+    sourceQueue: item.source.queue,
+    target: urlsOf(target).join(','),
+    targetQueue: item.target.queue,
+    targetExchange: item.target.exchange,
+    targetRoutingKey: item.target.routingKey,
+    redis: file.redis?.url,
+    redisPrefix: file.redis?.prefix,
+    scope: item.scope,
+    idFrom: settings.idFrom,
+    dedupWindow: settings.dedupWindow,
+    prefetch: settings.prefetch?.toString(),
+    batchSize: settings.batchSize?.toString(),
+    cacheShards: settings.cacheShards?.toString(),
+    lease: settings.lease,
+    onUnroutable: onUnroutableOf(settings),
+    parkQueue: settings.parkQueue,
+    retryFor: file.retryFor,
+    shutdownTimeout: file.shutdownTimeout,
+    logLevel: file.logLevel,
+    sourceCa: sourceTls?.ca,
+    sourceCert: sourceTls?.cert,
+    sourceKey: sourceTls?.key,
+    targetCa: targetTls?.ca,
+    targetCert: targetTls?.cert,
+    targetKey: targetTls?.key,
+    redisCa: file.redis?.tls?.ca,
+    redisCert: file.redis?.tls?.cert,
+    redisKey: file.redis?.tls?.key,
+  };
+}
+
+/**
+ * Flags and environment over the file's one route. A flag naming the target or the unroutable
+ * policy replaces the file's whole choice, so that e.g. --target-exchange does not clash with the
+ * file's target queue.
+ */
+function overlay(fromFile: RawOptions & TlsRaw, flags: Partial<RawOptions & TlsRaw>): RawOptions & TlsRaw {
+  const base = { ...fromFile };
+  if (flags.targetQueue !== undefined || flags.targetExchange !== undefined) {
+    base.targetQueue = undefined;
+    base.targetExchange = undefined;
+    base.targetRoutingKey = undefined;
+  }
+  if (flags.onUnroutable !== undefined && flags.parkQueue === undefined) base.parkQueue = undefined;
+  if (flags.parkQueue !== undefined && flags.onUnroutable === undefined) base.onUnroutable = undefined;
+  return { ...base, ...flags };
+}
+
+/**
+ * The file's routes as BridgeSettings, one per route, named by the route. `flags` are what the CLI
+ * collected from flags and environment: process-wide ones (Redis, log level, timeouts) override the
+ * file; route ones only when the file has a single route, and are a usage error otherwise.
+ */
+export function resolveConfigRoutes(
+  path: string,
+  file: ConfigFile,
+  flags: RawOptions & TlsRaw,
+  mode: 'run' | 'migrate',
+): BridgeSettings[] {
+  const given = withoutUndefined(flags);
+  if (file.routes.length > 1) {
+    const routeFlag = ROUTE_OPTIONS.find((option) => given[option] !== undefined);
+    if (routeFlag !== undefined) {
+      throw new ConfigError(
+        `${flagOf(routeFlag)}: applies to a single route, but ${path} has ${file.routes.length} routes; set it per route in the file`,
+      );
+    }
+  }
+  return file.routes.map((item, index) => {
+    const raw = overlay(routeOptions(file, item), given);
+    try {
+      return { ...resolveBridgeSettings(raw, mode), route: item.name };
+    } catch (error) {
+      if (error instanceof ConfigError) {
+        throw new ConfigError(`${path}: routes[${index}] (${item.name}): ${error.message}`);
+      }
+      throw error;
+    }
+  });
+}
+
+/** Reads, validates and resolves a config file for `run --config`. */
+export function loadConfigRoutes(
+  path: string,
+  flags: RawOptions & TlsRaw,
+  mode: 'run' | 'migrate',
+): BridgeSettings[] {
+  return resolveConfigRoutes(path, loadConfigFile(path), flags, mode);
+}
+
+/** The effective config of resolved routes, passwords masked, for `config check` to print. */
+export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Record<string, unknown> {
+  const first = routes[0] as BridgeSettings;
+  const tlsOf = (item: Route, side: 'source' | 'target') =>
+    item[side].tls ?? (file.brokers[item[side].broker] as Broker).tls;
+  return withoutUndefined({
+    redis: withoutUndefined({
+      url: redactUrl(first.redisUrl),
+      prefix: first.redisPrefix,
+      tls: file.redis?.tls,
+    }),
+    logLevel: first.logLevel,
+    retryFor: first.retryForMs === 0 ? 'forever' : formatDuration(first.retryForMs),
+    shutdownTimeout: formatDuration(first.shutdownTimeoutMs),
+    routes: routes.map((settings, index) => {
+      const item = file.routes[index] as Route;
+      return withoutUndefined({
+        name: settings.route,
+        source: withoutUndefined({
+          urls: settings.sourceUrls.map(redactUrl),
+          queue: settings.sourceQueue,
+          tls: tlsOf(item, 'source'),
+        }),
+        target: withoutUndefined({
+          urls: settings.targetUrls.map(redactUrl),
+          queue: settings.targetQueue,
+          exchange: settings.targetQueue === undefined ? settings.targetExchange : undefined,
+          routingKey: settings.targetQueue === undefined ? settings.targetRoutingKey : undefined,
+          tls: tlsOf(item, 'target'),
+        }),
+        scope: settings.scope,
+        idFrom: settings.idFrom.map(describeStrategy),
+        dedupWindow: formatDuration(settings.dedupWindowMs),
+        prefetch: settings.prefetch,
+        batchSize: settings.batchSize,
+        cacheShards: settings.cacheShards,
+        lease: formatDuration(settings.leaseMs),
+        onUnroutable: settings.onUnroutable,
+        parkQueue: settings.parkQueue,
+      });
+    }),
+  });
+}

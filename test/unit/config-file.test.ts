@@ -1,0 +1,324 @@
+import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { describe, expect, it } from 'vitest';
+import { stringify } from 'yaml';
+import { describeConfig, loadConfigFile, loadConfigRoutes } from '../../src/config/file.js';
+import { type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
+import { ConfigError } from '../../src/errors.js';
+
+const SECRET = 'hunter2-Sup3rSecret';
+const folder = mkdtempSync(join(tmpdir(), 'dedup-config-'));
+let files = 0;
+
+/** Writes a config file (YAML text, or an object turned into YAML) and returns its path. */
+function configFile(content: string | object): string {
+  const path = join(folder, `config-${files++}.yaml`);
+  writeFileSync(path, typeof content === 'string' ? content : stringify(content));
+  return path;
+}
+
+/** A valid file with two routes; tests change one part of it. */
+function twoRoutes() {
+  return {
+    brokers: {
+      old: { urls: [`amqp://bridge:${SECRET}@old-1:5672`, `amqp://bridge:${SECRET}@old-2:5672`] },
+      new: { url: `amqp://bridge:${SECRET}@new:5672/prod` },
+    },
+    redis: { url: `redis://:${SECRET}@cache:6379`, prefix: 'bridge' },
+    defaults: { prefetch: 50, idFrom: ['header:_HQ_DUPL_ID', 'message-id'] },
+    routes: [
+      {
+        name: 'orders',
+        source: { broker: 'old', queue: 'orders' },
+        target: { broker: 'new', queue: 'orders-v2' },
+      } as Record<string, unknown>,
+      {
+        name: 'audit',
+        source: { broker: 'old', queue: 'audit' },
+        target: { broker: 'new', exchange: 'events', routingKey: 'audit' },
+        dedupWindow: '1d',
+        parkQueue: 'audit-parked',
+      } as Record<string, unknown>,
+    ],
+  };
+}
+
+/** The one-line message of the ConfigError that loading `path` throws (exit 2). */
+function loadError(path: string, flags: RawOptions = {}): string {
+  try {
+    loadConfigRoutes(path, flags, 'run');
+  } catch (error) {
+    expect(error).toBeInstanceOf(ConfigError);
+    expect((error as ConfigError).exitCode).toBe(2);
+    return (error as ConfigError).message;
+  }
+  throw new Error('expected the config to be refused');
+}
+
+describe('config file', () => {
+  it('resolves each route to its own settings, defaults filled in and implied', () => {
+    const routes = loadConfigRoutes(configFile(twoRoutes()), {}, 'run');
+    expect(routes.map((route) => route.route)).toEqual(['orders', 'audit']);
+    const [orders, audit] = routes;
+    expect(orders).toMatchObject({
+      sourceUrls: [`amqp://bridge:${SECRET}@old-1:5672`, `amqp://bridge:${SECRET}@old-2:5672`],
+      sourceUrl: `amqp://bridge:${SECRET}@old-1:5672`,
+      sourceQueue: 'orders',
+      targetUrls: [`amqp://bridge:${SECRET}@new:5672/prod`],
+      targetQueue: 'orders-v2',
+      targetExchange: '',
+      scope: 'queue:orders-v2',
+      redisPrefix: 'bridge',
+      prefetch: 50,
+      batchSize: 200,
+      dedupWindowMs: 7 * 86_400_000,
+      onUnroutable: 'requeue',
+      targetUser: 'bridge',
+    });
+    expect(orders?.idFrom).toEqual([{ kind: 'header', name: '_HQ_DUPL_ID' }, { kind: 'message-id' }]);
+    expect(audit).toMatchObject({
+      targetExchange: 'events',
+      targetRoutingKey: 'audit',
+      targetQueue: undefined,
+      scope: 'exchange:events',
+      dedupWindowMs: 86_400_000,
+      onUnroutable: 'park',
+      parkQueue: 'audit-parked',
+    });
+  });
+
+  it.each([
+    [
+      'an unknown key',
+      (file: ReturnType<typeof twoRoutes>) => {
+        (file.routes[1]?.target as Record<string, unknown>).exchang = 'x';
+      },
+      'routes[1].target.exchang: is not a known key',
+    ],
+    [
+      'an unknown top-level key',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file, { route: [] });
+      },
+      'route: is not a known key',
+    ],
+    [
+      'a bad duration',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[1] as object, { dedupWindow: '1 day' });
+      },
+      'routes[1].dedupWindow: "1 day" is not a duration',
+    ],
+    [
+      'a bad default',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.defaults, { prefetch: 0 });
+      },
+      'defaults.prefetch: must be at least 1',
+    ],
+    [
+      'a dangling broker name',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[1]?.target as object, { broker: 'neu' });
+      },
+      'routes[1].target.broker: no broker "neu" under brokers (there are: old, new)',
+    ],
+    [
+      'a duplicate route name',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[1] as object, { name: 'orders' });
+      },
+      'routes[1].name: "orders" is already the name of routes[0]',
+    ],
+    [
+      'two routes on one source queue',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[1]?.source as object, { queue: 'orders' });
+      },
+      'routes[1].source.queue: routes[0] already consumes queue "orders" on this broker',
+    ],
+    [
+      'two routes on one source queue through two names of one broker',
+      (file: ReturnType<typeof twoRoutes>) => {
+        // A second name for one node of the cluster.
+        Object.assign(file.brokers, { again: { url: file.brokers.old.urls[1] } });
+        Object.assign(file.routes[1]?.source as object, { broker: 'again', queue: 'orders' });
+      },
+      'routes[1].source.queue: routes[0] already consumes queue "orders"',
+    ],
+    [
+      'a target with both queue and exchange',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[1]?.target as object, { queue: 'q' });
+      },
+      'routes[1].target.exchange: give either queue or exchange, not both',
+    ],
+    [
+      'a target with neither',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[0] as object, { target: { broker: 'new' } });
+      },
+      'routes[0].target: give queue, or exchange (with routingKey)',
+    ],
+    [
+      'a park policy without a park queue',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[0] as object, { onUnroutable: 'park' });
+      },
+      'routes[0].parkQueue: onUnroutable park needs parkQueue',
+    ],
+    [
+      'a window not longer than the lease',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[0] as object, { lease: '1m', dedupWindow: '30s' });
+      },
+      'routes[0].dedupWindow: must be longer than the lease',
+    ],
+    [
+      'a missing source',
+      (file: ReturnType<typeof twoRoutes>) => {
+        delete file.routes[0]?.source;
+      },
+      'routes[0].source: is required',
+    ],
+    [
+      'routes that are not a list',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file, { routes: 'orders' });
+      },
+      'routes: must be a list',
+    ],
+    [
+      'a broker with url and urls',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.brokers.new, { urls: ['amqp://new-2'] });
+      },
+      'brokers.new.url: give url (one node) or urls (the nodes of a cluster), not both',
+    ],
+  ])('refuses %s, naming its path', (_, change, expected) => {
+    const file = twoRoutes();
+    change(file);
+    const path = configFile(file);
+    expect(loadError(path)).toContain(`${path}: ${expected}`);
+  });
+
+  it('names a bad URL in a list by its index, with the password masked', () => {
+    const file = twoRoutes();
+    file.brokers.old.urls[1] = `http://bridge:${SECRET}@old-2:5672`;
+    const path = configFile(file);
+    const message = loadError(path);
+    expect(message).toContain(
+      `${path}: brokers.old.urls[1]: "http://bridge:***@old-2:5672/" has scheme http`,
+    );
+    expect(message).not.toContain(SECRET);
+  });
+
+  it('refuses a file that is missing or not YAML, saying which', () => {
+    expect(loadError(join(folder, 'none.yaml'))).toMatch(/^--config: cannot read ".*none\.yaml" \(ENOENT\)$/);
+    const path = configFile('routes: [\n');
+    expect(loadError(path)).toMatch(new RegExp(`^${path}: not valid YAML: `));
+  });
+
+  it('lets flags override a single route, and refuses route flags with several routes', () => {
+    const file = twoRoutes();
+    file.routes.pop();
+    const one = configFile(file);
+    const [route] = loadConfigRoutes(
+      one,
+      { sourceQueue: 'orders-b', targetExchange: 'x', prefetch: '7' },
+      'run',
+    );
+    expect(route).toMatchObject({
+      route: 'orders',
+      sourceQueue: 'orders-b',
+      targetExchange: 'x',
+      targetQueue: undefined,
+      scope: 'exchange:x',
+      prefetch: 7,
+    });
+
+    const two = configFile(twoRoutes());
+    expect(loadError(two, { sourceQueue: 'orders-b' })).toBe(
+      `--source-queue (or DEDUP_BRIDGE_SOURCE_QUEUE): applies to a single route, but ${two} has 2 routes; set it per route in the file`,
+    );
+    expect(loadError(two, { dedupWindow: '1h' })).toMatch(/^--dedup-window: applies to a single route/);
+    // Process-wide options override the file whatever the number of routes.
+    const routes = loadConfigRoutes(two, { redis: 'redis://other:6380', logLevel: 'warn' }, 'run');
+    expect(routes.map((r) => [r.redisUrl, r.logLevel])).toEqual([
+      ['redis://other:6380', 'warn'],
+      ['redis://other:6380', 'warn'],
+    ]);
+  });
+
+  it('describes the effective config with every password masked', () => {
+    const path = configFile(twoRoutes());
+    const file = loadConfigFile(path);
+    const described = describeConfig(file, loadConfigRoutes(path, {}, 'run'));
+    const text = JSON.stringify(described);
+    expect(text).not.toContain(SECRET);
+    expect(described).toMatchObject({
+      redis: { url: 'redis://:***@cache:6379', prefix: 'bridge' },
+      retryFor: 'forever',
+      routes: [
+        {
+          name: 'orders',
+          source: { urls: ['amqp://bridge:***@old-1:5672', 'amqp://bridge:***@old-2:5672'], queue: 'orders' },
+          target: { urls: ['amqp://bridge:***@new:5672/prod'], queue: 'orders-v2' },
+          scope: 'queue:orders-v2',
+          idFrom: ['header:_HQ_DUPL_ID', 'message-id'],
+          dedupWindow: '7d',
+          prefetch: 50,
+          lease: '15s',
+        },
+        {
+          name: 'audit',
+          target: { exchange: 'events', routingKey: 'audit' },
+          onUnroutable: 'park',
+          parkQueue: 'audit-parked',
+        },
+      ],
+    });
+  });
+});
+
+describe('the README example', () => {
+  it('is a valid config file', () => {
+    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+    const example = [...readme.matchAll(/```yaml\n([\s\S]*?)```/g)]
+      .map((match) => match[1] as string)
+      .find((text) => text.includes('routes:'));
+    expect(example).toBeDefined();
+    const routes = loadConfigRoutes(configFile(example as string), {}, 'run');
+    expect(routes.map((route) => [route.route, route.sourceUrls.length])).toEqual([
+      ['orders', 2],
+      ['audit', 2],
+    ]);
+  });
+});
+
+describe('several broker URLs on the command line', () => {
+  const base: RawOptions = { sourceQueue: 'q', targetQueue: 'q' };
+
+  it('--source and --target take comma-separated URLs, tried in that order', () => {
+    const settings = resolveBridgeSettings(
+      { ...base, source: 'amqp://a:1, amqp://b:2', target: 'amqp://u:p@c:3,amqp://u:p@d:4' },
+      'run',
+    );
+    expect(settings.sourceUrls).toEqual(['amqp://a:1', 'amqp://b:2']);
+    expect(settings.sourceUrl).toBe('amqp://a:1');
+    expect(settings.targetUrls).toEqual(['amqp://u:p@c:3', 'amqp://u:p@d:4']);
+    expect(settings.targetUser).toBe('u');
+  });
+
+  it('refuses a bad URL in the list, and nodes that log in as different users', () => {
+    const bad = () => resolveBridgeSettings({ ...base, source: 'amqp://a:1,b:2', target: 'amqp://c' }, 'run');
+    expect(bad).toThrow(/^--source \(or DEDUP_BRIDGE_SOURCE\): "b:2" has scheme b/);
+    const users = () =>
+      resolveBridgeSettings(
+        { ...base, source: 'amqp://a', target: `amqp://u:${SECRET}@c,amqp://v:${SECRET}@d` },
+        'run',
+      );
+    expect(users).toThrow('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
+  });
+});
