@@ -2,7 +2,7 @@ import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { fileURLToPath } from 'node:url';
 import amqp, { type ChannelModel, type ConfirmChannel, type GetMessage, type Options } from 'amqplib';
-import { inject } from 'vitest';
+import { expect, inject } from 'vitest';
 
 export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
 
@@ -273,4 +273,28 @@ export function runArgs(sourceQueue: string, target: string[], ...extra: string[
         return !(all[i] === '--idle-timeout' || all[i - 1] === '--idle-timeout');
       }),
   ];
+}
+
+/** The metrics server's address from its log line (`--metrics-port 0` picks a free port). */
+export async function metricsUrl(bridge: RunningCli): Promise<string> {
+  const found = await waitFor(() => /"msg":"serving metrics"/.test(bridge.output()), 30_000);
+  expect(found, bridge.output()).toBe(true);
+  const line = bridge
+    .output()
+    .split('\n')
+    .find((text) => text.includes('"msg":"serving metrics"')) as string;
+  const url = (JSON.parse(line) as { url: string }).url;
+  return url.replace('0.0.0.0', '127.0.0.1');
+}
+
+/** The value of one series in a Prometheus text scrape, or undefined when it is absent. */
+export function sample(text: string, name: string, labels: Record<string, string>): number | undefined {
+  const wanted = Object.entries(labels).map(([key, value]) => `${key}="${value}"`);
+  for (const line of text.split('\n')) {
+    const match = /^([a-z_]+)\{([^}]*)\} (\S+)$/.exec(line);
+    if (!match || match[1] !== name) continue;
+    const have = (match[2] as string).split(',');
+    if (wanted.every((pair) => have.includes(pair)) && have.length === wanted.length) return Number(match[3]);
+  }
+  return undefined;
 }

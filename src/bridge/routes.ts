@@ -48,7 +48,11 @@ export async function superviseRoutes(
   const first = await Promise.race([stop.then(() => 'signal' as const), ...failures]);
   for (const outage of outages) outage.stop();
   const timeoutMs = (routes[0] as BridgeSettings).shutdownTimeoutMs;
-  if (first === 'signal') log.info({ timeoutMs }, 'stopping: finishing in-flight messages');
+  if (first === 'signal') {
+    for (const settings of routes) {
+      log.info({ route: settings.route, timeoutMs }, 'stopping: finishing in-flight messages');
+    }
+  }
   const unfinished = await Promise.all(bridges.map((bridge) => bridge.stop(timeoutMs)));
   await Promise.allSettled(bridges.map((bridge) => bridge.close()));
   if (first === 'signal') {

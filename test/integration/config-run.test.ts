@@ -8,11 +8,13 @@ import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
   depthOf,
+  metricsUrl,
   openBroker,
   publishAll,
   queuePair,
   runArgs,
   runCli,
+  sample,
   servers,
   startCli,
   takeAll,
@@ -215,7 +217,7 @@ describe('several URLs per broker (cluster failover)', () => {
     const [source1, source2, target1, target2] = await twoNodes(sourceUrl, targetUrl);
     // Slow node 1 of the target, so that the source cut lands while messages flow.
     target1.setDelay(10);
-    const args = runArgs(source, ['--target-queue', target], '--prefetch', '100');
+    const args = runArgs(source, ['--target-queue', target], '--prefetch', '100', '--metrics-port', '0');
     args[args.indexOf('--source') + 1] = `${source1.urlFor(sourceUrl)},${source2.urlFor(sourceUrl)}`;
     args[args.indexOf('--target') + 1] = `${target1.urlFor(targetUrl)},${target2.urlFor(targetUrl)}`;
     const bridge = startCli(args);
@@ -227,7 +229,16 @@ describe('several URLs per broker (cluster failover)', () => {
       // and the cache knows which of those were forwarded already.
       await source1.stop();
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 1500)).toBe(true);
-      // Target node 1 goes down between batches, so no publish is in doubt.
+      // Target node 1 goes down between batches (every message acked, nothing held), so no publish
+      // is in doubt. The target holding all 1,500 is not enough: their confirms may be on the way.
+      const metrics = await metricsUrl(bridge);
+      const idle = async () => {
+        const text = await (await fetch(`${metrics}/metrics`)).text();
+        return sample(text, 'dedup_bridge_in_flight', { route: source }) === 0;
+      };
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0 && (await idle()))).toBe(
+        true,
+      );
       await target1.stop();
       const after = batch('once', 1500, 2000);
       await publishAll(sourceUrl, source, after);
@@ -255,7 +266,7 @@ describe('several URLs per broker (cluster failover)', () => {
     const [source1, source2, target1, target2] = await twoNodes(sourceUrl, targetUrl);
     // Slow node 1 of the target, so that the cut lands while batches are in flight.
     target1.setDelay(10);
-    const args = runArgs(source, ['--target-queue', target], '--prefetch', '100');
+    const args = runArgs(source, ['--target-queue', target], '--prefetch', '100', '--metrics-port', '0');
     args[args.indexOf('--source') + 1] = `${source1.urlFor(sourceUrl)},${source2.urlFor(sourceUrl)}`;
     args[args.indexOf('--target') + 1] = `${target1.urlFor(targetUrl)},${target2.urlFor(targetUrl)}`;
     const bridge = startCli(args);

@@ -89,18 +89,27 @@ describe('docker-compose.yml', () => {
     expect(commandText('redis')).toContain('--appendonly yes');
   });
 
-  it('gives the bridge exactly the environment variables the CLI reads', () => {
+  it('gives the bridge only variables the CLI reads, and every one its run needs', () => {
     const names = cliEnvNames();
+    const needed = [
+      'DEDUP_BRIDGE_SOURCE',
+      'DEDUP_BRIDGE_SOURCE_QUEUE',
+      'DEDUP_BRIDGE_TARGET',
+      'DEDUP_BRIDGE_REDIS',
+      'DEDUP_BRIDGE_METRICS_PORT',
+    ];
     // The regex must keep finding the options, or this test would compare nothing.
-    expect(names).toEqual(
-      expect.arrayContaining([
-        'DEDUP_BRIDGE_SOURCE',
-        'DEDUP_BRIDGE_SOURCE_QUEUE',
-        'DEDUP_BRIDGE_TARGET',
-        'DEDUP_BRIDGE_REDIS',
-      ]),
-    );
-    expect(Object.keys(environment('bridge')).sort()).toEqual(names);
+    expect(names).toEqual(expect.arrayContaining(needed));
+    const given = Object.keys(environment('bridge'));
+    expect(given.filter((name) => !names.includes(name))).toEqual([]);
+    expect(given).toEqual(expect.arrayContaining(needed));
+  });
+
+  it("publishes the bridge's metrics port and checks its health on /readyz", () => {
+    const port = Number(environment('bridge').DEDUP_BRIDGE_METRICS_PORT);
+    expect(portMappings('bridge')).toContainEqual({ host: port, container: port });
+    const check = (services.bridge as ComposeService & { healthcheck?: { test?: string[] } }).healthcheck;
+    expect(check?.test?.join(' ')).toContain(`http://127.0.0.1:${port}/readyz`);
   });
 
   it("points the bridge's URLs at the compose services, their ports and the brokers' user", () => {
