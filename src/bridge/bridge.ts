@@ -56,13 +56,13 @@ export async function startBridge(
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
     settings.sourceUrl,
-    { side: 'source', retryForMs: settings.retryForMs, log: routeLog },
+    { side: 'source', retryForMs: settings.retryForMs, log: routeLog, tls: settings.tls.source },
     (connection) => source.attach(connection),
     () => source.detach(),
   );
   const targetLink = new AmqpLink(
     settings.targetUrl,
-    { side: 'target', retryForMs: settings.retryForMs, log: routeLog },
+    { side: 'target', retryForMs: settings.retryForMs, log: routeLog, tls: settings.tls.target },
     (connection) => target.attach(connection),
     () => target.detach(),
   );
@@ -76,7 +76,7 @@ export async function startBridge(
     redis?.disconnect();
   };
   try {
-    redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog);
+    redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog, settings.tls.redis);
     await sourceLink.start();
     await targetLink.start();
   } catch (error) {

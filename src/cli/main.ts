@@ -69,7 +69,7 @@ type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: b
 async function runCommand(raw: RunRawOptions): Promise<number> {
   const settings = resolveBridgeSettings(raw, 'run');
   const log = createLogger(settings.logLevel);
-  await checkRedis(settings.redisUrl, settings.retryForMs, raw.strict === true, log);
+  await checkRedis(settings, raw.strict === true, log);
   const signal = onStopSignal();
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
   const crash = raw.faultCrashAfterConfirm
@@ -120,7 +120,7 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
   if (settings.reportPath) await checkWritable(settings.reportPath);
   const first = settings.routes[0] as BridgeSettings;
   const log = createLogger(first.logLevel);
-  await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
+  await checkRedis(first, raw.strict === true, log);
   const signal = onStopSignal();
   const result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true);
   if (settings.reportPath) await writeReport(settings.reportPath, result.report);
@@ -130,8 +130,8 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
 }
 
 /** Warns (or with --strict refuses) when the Redis cannot be trusted to remember IDs. */
-async function checkRedis(redisUrl: string, retryForMs: number, strict: boolean, log: Logger): Promise<void> {
-  const redis = await connectRedis(redisUrl, retryForMs, log);
+async function checkRedis(settings: BridgeSettings, strict: boolean, log: Logger): Promise<void> {
+  const redis = await connectRedis(settings.redisUrl, settings.retryForMs, log, settings.tls.redis);
   try {
     for (const warning of await redisSafetyWarnings(redis)) {
       if (strict) throw new ConfigError(`--strict: ${warning}`);

@@ -17,6 +17,27 @@ function sourceQueueOption(mode: 'run' | 'migrate'): Option {
     ]);
 }
 
+const TLS_FILE_HELP = {
+  ca: 'CA certificate(s) to trust, PEM (default: the system CAs)',
+  cert: 'client certificate, PEM',
+  key: 'private key of the client certificate, PEM (unencrypted)',
+};
+
+/** --<side>-ca, --<side>-cert, --<side>-key (and DEDUP_BRIDGE_<SIDE>_CA, ...), for a TLS URL. */
+export function addTlsOptions(command: Command, sides: ('source' | 'target' | 'redis')[]): Command {
+  for (const side of sides) {
+    const scheme = side === 'redis' ? 'rediss' : 'amqps';
+    for (const kind of ['ca', 'cert', 'key'] as const) {
+      command.addOption(
+        new Option(`--${side}-${kind} <file>`, `${scheme}: ${TLS_FILE_HELP[kind]}`).env(
+          `DEDUP_BRIDGE_${side.toUpperCase()}_${kind.toUpperCase()}`,
+        ),
+      );
+    }
+  }
+  return command;
+}
+
 function collect(value: string, previous: string[] | undefined): string[] {
   return [...(previous ?? []), value];
 }
@@ -61,7 +82,7 @@ export function addMigrateOptions(command: Command): Command {
 /** The options `run` and `migrate` share; defaults are filled in by config/settings, not here. */
 export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Command {
   const retryDefault = mode === 'run' ? 'retry forever' : DEFAULTS.migrateRetryFor;
-  return command
+  command
     .addOption(
       new Option('--source <url>', 'source broker, amqp://user:password@host:5672/vhost').env(
         'DEDUP_BRIDGE_SOURCE',
@@ -98,4 +119,5 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
       ),
     )
     .option('--strict', 'refuse to start on a Redis that keeps nothing on disk or may evict keys');
+  return addTlsOptions(command, ['source', 'target', 'redis']);
 }

@@ -5,6 +5,7 @@ import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { parseDuration } from './duration.js';
 import { redactUrl } from './redact.js';
+import { resolveTlsSettings, type TlsSettings } from './tls.js';
 
 /** The defaults, documented in README's CLI reference; change both together. */
 export const DEFAULTS = {
@@ -49,6 +50,15 @@ export interface RawOptions {
   idleTimeout?: string;
   maxMessages?: string;
   report?: string;
+  sourceCa?: string;
+  sourceCert?: string;
+  sourceKey?: string;
+  targetCa?: string;
+  targetCert?: string;
+  targetKey?: string;
+  redisCa?: string;
+  redisCert?: string;
+  redisKey?: string;
 }
 
 export interface BridgeSettings {
@@ -75,6 +85,8 @@ export interface BridgeSettings {
   retryForMs: number;
   shutdownTimeoutMs: number;
   logLevel: LogLevel;
+  /** CA and client certificate files per server; empty for plain URLs. */
+  tls: TlsSettings;
 }
 
 /** A dedup scope goes inside the key's {hash tag}: no braces, no spaces. */
@@ -252,6 +264,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
   const dedupWindowMs = parseDuration(raw.dedupWindow ?? DEFAULTS.dedupWindow, '--dedup-window');
   if (dedupWindowMs <= leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
   const targetUser = userOf(options.target);
+  const tls = resolveTlsSettings(raw, options);
 
   return {
     sourceUrl: options.source,
@@ -281,6 +294,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     ),
     shutdownTimeoutMs: parseDuration(raw.shutdownTimeout ?? DEFAULTS.shutdownTimeout, '--shutdown-timeout'),
     logLevel: options.logLevel,
+    tls,
   };
 }
 
