@@ -112,9 +112,9 @@ export function checkTlsFiles(side: TlsSide, url: string, files: TlsFiles): TlsF
   if (first === undefined) return {};
   if (!isTlsUrl(url)) {
     const scheme = TLS_SCHEME[side];
-    const given = url.split(':')[0];
+    const plain = url.split(':')[0];
     throw new ConfigError(
-      `${flag(side, first)}: needs ${URL_FLAG[side]} to be ${scheme}://, not ${given}://; use ${scheme}:// (with TLS options the bridge never connects plain)`,
+      `${flag(side, first)}: needs ${URL_FLAG[side]} to be ${scheme}://, not ${plain}://; use ${scheme}:// (with TLS options the bridge never connects plain)`,
     );
   }
   if ((files.cert === undefined) !== (files.key === undefined)) {
