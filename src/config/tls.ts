@@ -6,8 +6,8 @@ import { ConfigError } from '../errors.js';
 
 /**
  * PEM files for one server's TLS connection: the CA to trust (instead of the system's CAs) and a
- * client certificate with its key, for servers that ask for one. Paths, read at each connect so a
- * renewed certificate is picked up on reconnect.
+ * client certificate with its key, for servers that ask for one. Paths: the files are read when a
+ * connection is opened (a broker reconnect reads them again).
  */
 export interface TlsFiles {
   ca?: string;
