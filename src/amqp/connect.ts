@@ -1,12 +1,15 @@
 import amqp, { type ChannelModel } from 'amqplib';
 import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
+import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
 import { classifyConnectError, describe, unreachable } from './errors.js';
 
 export interface ConnectOptions {
   /** Names the side in messages and in the broker's connection list: "source" or "target". */
-  side: string;
+  side: 'source' | 'target';
+  /** CA and client certificate for an amqps:// URL. */
+  tls?: TlsFiles;
   /** Give up after retrying this long; 0 retries forever. */
   retryForMs: number;
   log: Logger;
@@ -45,12 +48,13 @@ export async function connectAmqpAny(
         timeout: 10_000,
         // amqplib leaves Nagle's algorithm on: small frames would wait for the peer's delayed ACK.
         noDelay: true,
+        ...amqpTlsOptions(options.side, url, options.tls),
       });
       // amqplib rethrows 'error' events that nobody listens to; the caller attaches its own too.
       connection.on('error', () => {});
       return { connection, index };
     } catch (error) {
-      const fatal = classifyConnectError(error, where);
+      const fatal = classifyConnectError(error, where, options.side);
       if (fatal) throw fatal;
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
       const elapsed = Date.now() - started;

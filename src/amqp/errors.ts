@@ -1,3 +1,4 @@
+import { type TlsSide, tlsFailure } from '../config/tls.js';
 import { FatalConnectError, UnavailableError } from '../errors.js';
 
 // amqplib reports a refused handshake as a bare Error whose text carries the AMQP reply code, and
@@ -40,10 +41,14 @@ export function isNetworkError(error: unknown): boolean {
 }
 
 /**
- * Turns a failed connect into an operator's error: fatal (wrong credentials, a missing vhost),
- * or undefined when it is worth retrying (network, broker starting up).
+ * Turns a failed connect into an operator's error: fatal (wrong credentials, a missing vhost, a
+ * certificate refused), or undefined when it is worth retrying (network, broker starting up).
  */
-export function classifyConnectError(error: unknown, where: string): FatalConnectError | undefined {
+export function classifyConnectError(
+  error: unknown,
+  where: string,
+  side: TlsSide,
+): FatalConnectError | undefined {
   const reply = replyCodeOf(error);
   if (reply === 403) {
     return new FatalConnectError(
@@ -60,10 +65,8 @@ export function classifyConnectError(error: unknown, where: string): FatalConnec
       `${where}: the broker refused the connection (AMQP ${reply}); check the URL`,
     );
   }
-  const code = (error as { code?: unknown } | undefined)?.code;
-  if (code === 'ERR_TLS_CERT_ALTNAME_INVALID' || code === 'DEPTH_ZERO_SELF_SIGNED_CERT') {
-    return new FatalConnectError(`${where}: the TLS certificate was not accepted (${String(code)})`);
-  }
+  const tls = tlsFailure(error, side);
+  if (tls) return new FatalConnectError(`${where}: ${tls}`);
   return undefined;
 }
 

@@ -1,5 +1,6 @@
 import type { ChannelModel } from 'amqplib';
 import { redactUrl } from '../config/redact.js';
+import type { TlsFiles } from '../config/tls.js';
 import { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
@@ -30,6 +31,8 @@ export interface LinkOptions {
   /** Bound on the first connect; 0 retries forever. Later outages are retried until `close()`. */
   retryForMs: number;
   log: Logger;
+  /** CA and client certificate for an amqps:// URL. */
+  tls?: TlsFiles;
 }
 
 /**
@@ -78,6 +81,7 @@ export class AmqpLink {
       retryForMs,
       log: this.options.log,
       cancelled: () => this.closing,
+      tls: this.options.tls,
     });
     this.where = this.describeUrl(index);
     // A failed setup (e.g. that node is out of the cluster) or a later loss moves on to the next node.

@@ -70,13 +70,13 @@ export async function startBridge(
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
     settings.sourceUrls,
-    { side: 'source', retryForMs: settings.retryForMs, log: routeLog },
+    { side: 'source', retryForMs: settings.retryForMs, log: routeLog, tls: settings.tls.source },
     (connection) => source.attach(connection),
     () => source.detach(),
   );
   const targetLink = new AmqpLink(
     settings.targetUrls,
-    { side: 'target', retryForMs: settings.retryForMs, log: routeLog },
+    { side: 'target', retryForMs: settings.retryForMs, log: routeLog, tls: settings.tls.target },
     (connection) => target.attach(connection),
     () => target.detach(),
   );
@@ -91,7 +91,7 @@ export async function startBridge(
     redis?.disconnect();
   };
   try {
-    redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog);
+    redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog, settings.tls.redis);
     cache = await DedupCache.open(redis, {
       token: newOwnerToken(),
       leaseMs: settings.leaseMs,

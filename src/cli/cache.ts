@@ -1,11 +1,13 @@
 import { type Command, Option } from 'commander';
 import { checkRedisUrl, checkScope, DEFAULTS } from '../config/settings.js';
+import { checkTlsFiles, type TlsRawOptions, tlsFilesOf } from '../config/tls.js';
 import { forgetIds, inspectIds, scopeStats } from '../dedup/inspect.js';
 import { connectRedis } from '../dedup/redis.js';
 import { ConfigError, ExitCode } from '../errors.js';
 import { createLogger } from '../observe/log.js';
+import { addTlsOptions } from './options.js';
 
-interface CacheOptions {
+interface CacheOptions extends Pick<TlsRawOptions, 'redisCa' | 'redisCert' | 'redisKey'> {
   redis?: string;
   redisPrefix?: string;
   scope?: string;
@@ -13,12 +15,13 @@ interface CacheOptions {
 }
 
 function cacheOptions(command: Command): Command {
-  return command
+  command
     .addOption(
       new Option('--redis <url>', `the dedup cache (default ${DEFAULTS.redis})`).env('DEDUP_BRIDGE_REDIS'),
     )
     .option('--redis-prefix <prefix>', `prefix of the cache keys (default ${DEFAULTS.redisPrefix})`)
     .option('--scope <name>', 'the dedup scope, e.g. queue:orders (required)');
+  return addTlsOptions(command, ['redis']);
 }
 
 async function open(options: CacheOptions) {
@@ -26,7 +29,8 @@ async function open(options: CacheOptions) {
   if (!options.scope)
     throw new ConfigError('--scope: is required (e.g. queue:orders, the target queue the bridge writes to)');
   const scope = checkScope(options.scope);
-  const redis = await connectRedis(url, 10_000, createLogger('silent'));
+  const tls = checkTlsFiles('redis', url, tlsFilesOf(options, 'redis'));
+  const redis = await connectRedis(url, 10_000, createLogger('silent'), tls);
   return { redis, prefix: options.redisPrefix ?? DEFAULTS.redisPrefix, scope };
 }
 

@@ -96,7 +96,7 @@ async function forwardUntilStopped(
   observer: ObserveServer | undefined,
 ): Promise<number> {
   const first = routes[0] as BridgeSettings;
-  await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
+  await checkRedis(first, raw.strict === true, log);
   const signal = onStopSignal();
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
   const crash = raw.faultCrashAfterConfirm
@@ -116,7 +116,7 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   let result: Awaited<ReturnType<typeof runMigration>>;
   try {
-    await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
+    await checkRedis(first, raw.strict === true, log);
     const signal = onStopSignal();
     result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true, observer);
   } finally {
@@ -129,8 +129,8 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
 }
 
 /** Warns (or with --strict refuses) when the Redis cannot be trusted to remember IDs. */
-async function checkRedis(redisUrl: string, retryForMs: number, strict: boolean, log: Logger): Promise<void> {
-  const redis = await connectRedis(redisUrl, retryForMs, log);
+async function checkRedis(settings: BridgeSettings, strict: boolean, log: Logger): Promise<void> {
+  const redis = await connectRedis(settings.redisUrl, settings.retryForMs, log, settings.tls.redis);
   try {
     for (const warning of await redisSafetyWarnings(redis)) {
       if (strict) throw new ConfigError(`--strict: ${warning}`);

@@ -18,6 +18,32 @@ function sourceQueueOption(mode: 'run' | 'migrate'): Option {
     ]);
 }
 
+// Spelled out, not built from the side's name: the docs test finds the flags by reading this file.
+const TLS_FLAGS = {
+  source: ['--source-ca <file>', '--source-cert <file>', '--source-key <file>'],
+  target: ['--target-ca <file>', '--target-cert <file>', '--target-key <file>'],
+  redis: ['--redis-ca <file>', '--redis-cert <file>', '--redis-key <file>'],
+} as const;
+
+const TLS_HELP = [
+  'CA certificate(s) to trust, PEM (default: the system CAs)',
+  'client certificate, PEM',
+  'private key of the client certificate, PEM (unencrypted)',
+];
+
+/** The CA, client certificate and key files for each server's TLS URL, e.g. --target-ca. */
+export function addTlsOptions(command: Command, sides: (keyof typeof TLS_FLAGS)[]): Command {
+  for (const side of sides) {
+    const scheme = side === 'redis' ? 'rediss' : 'amqps';
+    TLS_FLAGS[side].forEach((flags, index) => {
+      // --target-ca <file> is also DEDUP_BRIDGE_TARGET_CA
+      const env = `DEDUP_BRIDGE_${flags.split(' ')[0]?.slice(2).replace(/-/g, '_').toUpperCase()}`;
+      command.addOption(new Option(flags, `${scheme}: ${TLS_HELP[index]}`).env(env));
+    });
+  }
+  return command;
+}
+
 function collect(value: string, previous: string[] | undefined): string[] {
   return [...(previous ?? []), value];
 }
@@ -71,7 +97,7 @@ export function addConfigOption(command: Command): Command {
 /** The options `run` and `migrate` share; defaults are filled in by config/settings, not here. */
 export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Command {
   const retryDefault = mode === 'run' ? 'retry forever' : DEFAULTS.migrateRetryFor;
-  return command
+  command
     .addOption(
       new Option(
         '--source <url>',
@@ -128,4 +154,5 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
         `address the metrics port listens on (default ${DEFAULT_METRICS_HOST})`,
       ).env('DEDUP_BRIDGE_METRICS_HOST'),
     );
+  return addTlsOptions(command, ['source', 'target', 'redis']);
 }

@@ -292,19 +292,6 @@ export function loadConfigFile(path: string, what = '--config'): ConfigFile {
   return parsed.data;
 }
 
-/** TLS file options, named as the TLS flags name them (--source-ca …). */
-export interface TlsRaw {
-  sourceCa?: string;
-  sourceCert?: string;
-  sourceKey?: string;
-  targetCa?: string;
-  targetCert?: string;
-  targetKey?: string;
-  redisCa?: string;
-  redisCert?: string;
-  redisKey?: string;
-}
-
 /** Options that belong to one route: with several routes in the file, giving one as a flag is an error. */
 const ROUTE_OPTIONS = [
   'source',
@@ -347,7 +334,7 @@ function withoutUndefined<T extends object>(value: T): Partial<T> {
 }
 
 /** One route of the file as the options the CLI would have collected for it. */
-function routeOptions(file: ConfigFile, item: Route): RawOptions & TlsRaw {
+function routeOptions(file: ConfigFile, item: Route): RawOptions {
   const settings = { ...withoutUndefined(file.defaults ?? {}), ...withoutUndefined(item) };
   const source = file.brokers[item.source.broker] as Broker;
   const target = file.brokers[item.target.broker] as Broker;
@@ -391,7 +378,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions & TlsRaw {
  * policy replaces the file's whole choice, so that e.g. --target-exchange does not clash with the
  * file's target queue.
  */
-function overlay(fromFile: RawOptions & TlsRaw, flags: Partial<RawOptions & TlsRaw>): RawOptions & TlsRaw {
+function overlay(fromFile: RawOptions, flags: Partial<RawOptions>): RawOptions {
   const base = { ...fromFile };
   if (flags.targetQueue !== undefined || flags.targetExchange !== undefined) {
     base.targetQueue = undefined;
@@ -411,7 +398,7 @@ function overlay(fromFile: RawOptions & TlsRaw, flags: Partial<RawOptions & TlsR
 export function resolveConfigRoutes(
   path: string,
   file: ConfigFile,
-  flags: RawOptions & TlsRaw,
+  flags: RawOptions,
   mode: 'run' | 'migrate',
 ): BridgeSettings[] {
   const given = withoutUndefined(flags);
@@ -437,11 +424,7 @@ export function resolveConfigRoutes(
 }
 
 /** Reads, validates and resolves a config file for `run --config`. */
-export function loadConfigRoutes(
-  path: string,
-  flags: RawOptions & TlsRaw,
-  mode: 'run' | 'migrate',
-): BridgeSettings[] {
+export function loadConfigRoutes(path: string, flags: RawOptions, mode: 'run' | 'migrate'): BridgeSettings[] {
   return resolveConfigRoutes(path, loadConfigFile(path), flags, mode);
 }
 

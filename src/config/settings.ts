@@ -5,6 +5,7 @@ import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { parseDuration } from './duration.js';
 import { redactUrl } from './redact.js';
+import { resolveTlsSettings, type TlsSettings } from './tls.js';
 
 /** The defaults, documented in README's CLI reference; change both together. */
 export const DEFAULTS = {
@@ -53,6 +54,15 @@ export interface RawOptions {
   report?: string;
   metricsPort?: string;
   metricsHost?: string;
+  sourceCa?: string;
+  sourceCert?: string;
+  sourceKey?: string;
+  targetCa?: string;
+  targetCert?: string;
+  targetKey?: string;
+  redisCa?: string;
+  redisCert?: string;
+  redisKey?: string;
 }
 
 export interface BridgeSettings {
@@ -88,6 +98,8 @@ export interface BridgeSettings {
   retryForMs: number;
   shutdownTimeoutMs: number;
   logLevel: LogLevel;
+  /** CA and client certificate files per server; empty for plain URLs. */
+  tls: TlsSettings;
 }
 
 /** A dedup scope goes inside the key's {hash tag}: no braces, no spaces. */
@@ -287,6 +299,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
   if (options.target.some((url) => userOf(url) !== targetUser)) {
     throw new ConfigError('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
   }
+  const tls = resolveTlsSettings(raw, options);
 
   return {
     route: options.sourceQueue,
@@ -320,6 +333,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     ),
     shutdownTimeoutMs: parseDuration(raw.shutdownTimeout ?? DEFAULTS.shutdownTimeout, '--shutdown-timeout'),
     logLevel: options.logLevel,
+    tls,
   };
 }
 

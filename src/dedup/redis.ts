@@ -2,6 +2,7 @@ import { Redis } from 'ioredis';
 import { backoffDelay } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
 import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
+import { redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { FatalConnectError, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 
@@ -13,7 +14,12 @@ const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR
  * (0: forever). Once connected, commands wait through later outages instead of failing
  * (`maxRetriesPerRequest: null`): the pipeline holds its messages unacked meanwhile.
  */
-export async function connectRedis(url: string, retryForMs: number, log: Logger): Promise<Redis> {
+export async function connectRedis(
+  url: string,
+  retryForMs: number,
+  log: Logger,
+  tls?: TlsFiles,
+): Promise<Redis> {
   const where = `Redis at ${redactUrl(url)}`;
   const secret = passwordOf(url);
   let lastError: unknown;
@@ -23,6 +29,7 @@ export async function connectRedis(url: string, retryForMs: number, log: Logger)
     connectionName: 'dedup-bridge',
     connectTimeout: 5000,
     retryStrategy: (attempt) => backoffDelay(attempt, 100, 5000),
+    ...redisTlsOptions(url, tls),
   });
   let connected = false;
   // ioredis reports every failed reconnect attempt; log the first as "lost", the others at debug.
@@ -56,7 +63,11 @@ export async function connectRedis(url: string, retryForMs: number, log: Logger)
             }, retryForMs)
           : undefined;
       const onError = (error: Error) => {
-        if (FATAL_REPLY.test(error.message)) {
+        const tlsProblem = tlsFailure(error, 'redis');
+        if (tlsProblem) {
+          clearTimeout(timer);
+          reject(new FatalConnectError(`${where}: ${tlsProblem}`));
+        } else if (FATAL_REPLY.test(error.message)) {
           clearTimeout(timer);
           reject(
             new FatalConnectError(

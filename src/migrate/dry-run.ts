@@ -28,6 +28,7 @@ export async function dryRunQueue(
     side: 'source',
     retryForMs: settings.retryForMs,
     log,
+    tls: settings.tls.source,
   });
   try {
     const channel = await connection.createChannel();

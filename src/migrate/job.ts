@@ -158,6 +158,7 @@ async function deleteIfEmpty(settings: BridgeSettings, log: Logger): Promise<boo
     side: 'source',
     retryForMs: settings.retryForMs || 30_000,
     log,
+    tls: settings.tls.source,
   });
   try {
     const channel = await connection.createChannel();

@@ -38,7 +38,7 @@ export async function runMigration(
 ): Promise<JobResult> {
   const started = Date.now();
   const first = settings.routes[0] as BridgeSettings;
-  const redis = await connectRedis(first.redisUrl, first.retryForMs, log);
+  const redis = await connectRedis(first.redisUrl, first.retryForMs, log, first.tls.redis);
   let lock: JobLock | undefined;
   try {
     lock = await JobLock.acquire(
@@ -159,7 +159,12 @@ async function checkTopology(routes: BridgeSettings[], log: Logger): Promise<voi
   const first = routes[0] as BridgeSettings;
   for (const side of ['source', 'target'] as const) {
     const url = side === 'source' ? first.sourceUrl : first.targetUrl;
-    const connection = await connectAmqp(url, { side, retryForMs: first.retryForMs, log });
+    const connection = await connectAmqp(url, {
+      side,
+      retryForMs: first.retryForMs,
+      log,
+      tls: first.tls[side],
+    });
     try {
       const where = `${side} broker at ${redactUrl(url)}`;
       for (const route of routes) {

@@ -80,6 +80,7 @@ export async function declareTargetQueues(
     side: 'target',
     retryForMs: first.retryForMs || 30_000,
     log,
+    tls: first.tls.target,
   });
   try {
     for (const [route, shape] of shapes) {

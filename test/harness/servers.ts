@@ -254,6 +254,8 @@ export class RedisServer {
     runDir: string,
     readonly label: string,
     private readonly appendonly = false,
+    /** More redis-server options, e.g. a TLS port. */
+    private readonly extraArgs: string[] = [],
   ) {
     this.dir = join(runDir, label);
   }
@@ -284,6 +286,7 @@ export class RedisServer {
       join(this.dir, 'server.pid'),
       '--logfile',
       join(this.dir, 'redis.log'),
+      ...this.extraArgs,
     ];
     await run('redis-server', args, { cwd: this.dir }, 10_000, 'exit');
     const deadline = Date.now() + 10_000;

@@ -1,0 +1,273 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { startTlsServers, type TlsServers } from '../harness/tls.js';
+import {
+  type CliResult,
+  countDelivery,
+  declareQueue,
+  depthOf,
+  publishAll,
+  runCli,
+  servers,
+  startCli,
+  takeAll,
+  uniqueName,
+  waitFor,
+} from '../helpers.js';
+
+// One RabbitMQ node and one Redis, each with a plain and a TLS port, with certificates made for
+// this run: only this file pays for starting them.
+let tls: TlsServers;
+
+beforeAll(async () => {
+  tls = await startTlsServers(servers().runDir);
+});
+
+afterAll(async () => {
+  await tls?.stop();
+});
+
+/** The node's plain listener: the test itself uses it to set up and count; the bridge must not. */
+function plainAmqp(): string {
+  return tls.rabbit.url;
+}
+
+function amqps(host = '127.0.0.1', port = tls.amqpsPort): string {
+  return `amqps://guest:guest@${host}:${port}`;
+}
+
+function rediss(host = '127.0.0.1', port = tls.redissPort): string {
+  return `rediss://${host}:${port}`;
+}
+
+/** --<side>-ca, and the client certificate both servers ask for. */
+function tlsFlags(side: 'source' | 'target' | 'redis', ca = tls.certs.ca): string[] {
+  return [
+    ...[`--${side}-ca`, ca],
+    ...[`--${side}-cert`, tls.certs.clientCert, `--${side}-key`, tls.certs.clientKey],
+  ];
+}
+
+function batch(from: number, to: number) {
+  return Array.from({ length: to - from }, (_, i) => ({
+    body: `body-${from + i}`,
+    options: { headers: { _HQ_DUPL_ID: `tls-${from + i}` } },
+  }));
+}
+
+/** A source and a target queue on the TLS node, with `count` messages waiting in the source. */
+async function tlsQueues(count: number): Promise<{ source: string; target: string }> {
+  const source = uniqueName('tls-src');
+  const target = uniqueName('tls-dst');
+  await declareQueue(plainAmqp(), source);
+  await declareQueue(plainAmqp(), target);
+  if (count > 0) await publishAll(plainAmqp(), source, batch(0, count));
+  return { source, target };
+}
+
+/** `run` over TLS on every side; `change` replaces flags (e.g. a URL or a CA) by name. */
+function tlsRunArgs(source: string, target: string, change: Record<string, string> = {}): string[] {
+  const args = [
+    'run',
+    ...['--source', amqps(), '--source-queue', source, ...tlsFlags('source')],
+    ...['--target', amqps(), '--target-queue', target, ...tlsFlags('target')],
+    ...['--redis', rediss(), ...tlsFlags('redis')],
+  ];
+  return args.map((value, index) => change[args[index - 1] as string] ?? value);
+}
+
+/** The one stderr line of a refused start: no stack trace, nothing else said. */
+function onlyLine(result: CliResult): string {
+  expect(result.stderr).not.toMatch(/\n\s+at /);
+  const lines = result.stderr.split('\n').filter((line) => line.length > 0);
+  expect(lines).toHaveLength(1);
+  return lines[0] as string;
+}
+
+/** The bridge's connections to the TLS node: its name, whether TLS, and the node's port. */
+async function bridgeConnections(): Promise<string[]> {
+  const out = await tls.rabbit.ctl(
+    'list_connections',
+    'ssl',
+    'port',
+    'client_properties',
+    '--no-table-headers',
+    '-q',
+  );
+  return out
+    .split('\n')
+    .map((line) => {
+      const [ssl, port] = line.split('\t');
+      const name = /"connection_name","([^"]+)"/.exec(line)?.[1];
+      return name?.startsWith('dedup-bridge') ? `${name} ssl=${ssl} port=${port}` : '';
+    })
+    .filter((line) => line.length > 0)
+    .sort();
+}
+
+describe('TLS (amqps:// and rediss://)', () => {
+  it('run forwards over amqps on both sides and rediss with the right CA, through the TLS listener only', async () => {
+    const { source, target } = await tlsQueues(300);
+    await publishAll(plainAmqp(), source, batch(0, 100)); // resent: must not arrive twice
+    const bridge = startCli(tlsRunArgs(source, target));
+    expect(await waitFor(async () => (await depthOf(plainAmqp(), source)) === 0)).toBe(true);
+    // The node also listens plain; the bridge's two connections are on the TLS port.
+    expect(await bridgeConnections()).toEqual([
+      `dedup-bridge source ssl=true port=${tls.amqpsPort}`,
+      `dedup-bridge target ssl=true port=${tls.amqpsPort}`,
+    ]);
+    bridge.signal('SIGTERM');
+    expect((await bridge.done).code).toBe(0);
+    const arrived = await takeAll(plainAmqp(), target);
+    const count = countDelivery(
+      'run over TLS, 300 + 100 resent',
+      batch(0, 300).map((m) => m.options.headers._HQ_DUPL_ID),
+      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(count).toMatchObject({ received: 300, lost: 0, duplicated: 0, unexpected: 0 });
+
+    // The cache tools reach the same Redis over TLS.
+    const stats = await runCli([
+      ...['cache', 'stats', '--scope', `queue:${target}`, '--redis', rediss(), ...tlsFlags('redis')],
+    ]);
+    expect(stats.stderr).toBe('');
+    expect(stats.stdout).toContain(`scope queue:${target}: 300 committed IDs`);
+  });
+
+  it('migrate drains a queue over TLS and deletes it when empty', async () => {
+    const { source, target } = await tlsQueues(100);
+    const args = tlsRunArgs(source, target).slice(1);
+    const result = await runCli([
+      'migrate',
+      ...args,
+      '--idle-timeout',
+      '300ms',
+      '--delete-source-when-empty',
+      '--quiet',
+    ]);
+    expect(result.stderr).not.toContain('dedup-bridge:');
+    expect(result.code).toBe(0);
+    const arrived = await takeAll(plainAmqp(), target);
+    const count = countDelivery(
+      'migrate over TLS',
+      batch(0, 100).map((m) => m.options.headers._HQ_DUPL_ID),
+      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    await expect(depthOf(plainAmqp(), source)).rejects.toThrow(/NOT_FOUND/);
+  });
+
+  it('a CA that did not sign the server certificate is refused at once: one line, exit 2, nothing moved', async () => {
+    const { source, target } = await tlsQueues(5);
+    // `run` retries unreachable servers forever by default: these must end by themselves.
+    const [broker, redis] = await Promise.all([
+      runCli(tlsRunArgs(source, target, { '--target-ca': tls.certs.wrongCa }), { timeoutMs: 30_000 }),
+      runCli(tlsRunArgs(source, target, { '--redis-ca': tls.certs.wrongCa }), { timeoutMs: 30_000 }),
+    ]);
+    expect(broker.code).toBe(2);
+    expect(onlyLine(broker)).toMatch(
+      new RegExp(
+        `^dedup-bridge: target broker at amqps://guest:\\*\\*\\*@127\\.0\\.0\\.1:${tls.amqpsPort}: TLS certificate not trusted \\([A-Z_]+\\); check --target-ca$`,
+      ),
+    );
+    expect(redis.code).toBe(2);
+    expect(onlyLine(redis)).toMatch(
+      new RegExp(
+        `^dedup-bridge: Redis at rediss://127\\.0\\.0\\.1:${tls.redissPort}: TLS certificate not trusted \\([A-Z_]+\\); check --redis-ca$`,
+      ),
+    );
+    expect(await depthOf(plainAmqp(), source)).toBe(5);
+    expect(await depthOf(plainAmqp(), target)).toBe(0);
+  });
+
+  it('a host name the certificate does not list is refused (the certificate names 127.0.0.1 only)', async () => {
+    const { source, target } = await tlsQueues(0);
+    const [broker, redis] = await Promise.all([
+      runCli(tlsRunArgs(source, target, { '--source': amqps('localhost') }), { timeoutMs: 30_000 }),
+      runCli(tlsRunArgs(source, target, { '--redis': rediss('localhost') }), { timeoutMs: 30_000 }),
+    ]);
+    expect(broker.code).toBe(2);
+    expect(onlyLine(broker)).toBe(
+      `dedup-bridge: source broker at amqps://guest:***@localhost:${tls.amqpsPort}: TLS certificate does not name the host "localhost" (ERR_TLS_CERT_ALTNAME_INVALID); connect by a host name or address the certificate lists`,
+    );
+    expect(redis.code).toBe(2);
+    expect(onlyLine(redis)).toBe(
+      `dedup-bridge: Redis at rediss://localhost:${tls.redissPort}: TLS certificate does not name the host "localhost" (ERR_TLS_CERT_ALTNAME_INVALID); connect by a host name or address the certificate lists`,
+    );
+  });
+
+  it('a server that wants a client certificate refuses the bridge without one', async () => {
+    const { source, target } = await tlsQueues(0);
+    const args = tlsRunArgs(source, target).filter(
+      (value, index, all) =>
+        !/^--target-(cert|key)$/.test(value) && !/^--target-(cert|key)$/.test(all[index - 1] ?? ''),
+    );
+    const result = await runCli(args, { timeoutMs: 30_000 });
+    expect(result.code).toBe(2);
+    expect(onlyLine(result)).toMatch(
+      /^dedup-bridge: target broker at amqps:\/\/guest:\*\*\*@127\.0\.0\.1:\d+: the server refused the TLS handshake \(ERR_SSL_[A-Z0-9_]+\); check --target-cert and --target-key/,
+    );
+  });
+
+  it('never falls back to plain: amqps:// or rediss:// at a plain port fails, TLS options on a plain URL are refused', async () => {
+    const { source, target } = await tlsQueues(5);
+    const [amqpsAtPlain, redissAtPlain, caOnPlainAmqp, caOnPlainRedis] = await Promise.all([
+      runCli(tlsRunArgs(source, target, { '--target': amqps('127.0.0.1', tls.rabbit.port) }), {
+        timeoutMs: 30_000,
+      }),
+      // Redis may not answer a TLS hello at all: bound the wait.
+      runCli(
+        [
+          ...tlsRunArgs(source, target, { '--redis': rediss('127.0.0.1', tls.redis.port) }),
+          '--retry-for',
+          '2s',
+        ],
+        {
+          timeoutMs: 30_000,
+        },
+      ),
+      runCli(tlsRunArgs(source, target, { '--source': plainAmqp() }), { timeoutMs: 30_000 }),
+      runCli(tlsRunArgs(source, target, { '--redis': tls.redis.url }), { timeoutMs: 30_000 }),
+    ]);
+    expect(amqpsAtPlain.code).toBe(2);
+    expect(onlyLine(amqpsAtPlain)).toBe(
+      `dedup-bridge: target broker at amqps://guest:***@127.0.0.1:${tls.rabbit.port}: the server does not speak TLS on this port (ERR_SSL_WRONG_VERSION_NUMBER); check the port in the URL`,
+    );
+    // Refused (a garbled answer) or unanswered (Redis waits for the end of a line): either way, no plain session.
+    expect([1, 2]).toContain(redissAtPlain.code);
+    expect(onlyLine(redissAtPlain)).toMatch(
+      new RegExp(`^dedup-bridge: Redis at rediss://127\\.0\\.0\\.1:${tls.redis.port}(: TLS| is unreachable)`),
+    );
+    expect(caOnPlainAmqp.code).toBe(2);
+    expect(onlyLine(caOnPlainAmqp)).toBe(
+      'dedup-bridge: --source-ca: needs --source to be amqps://, not amqp://; use amqps:// (with TLS options the bridge never connects plain)',
+    );
+    expect(caOnPlainRedis.code).toBe(2);
+    expect(onlyLine(caOnPlainRedis)).toBe(
+      'dedup-bridge: --redis-ca: needs --redis to be rediss://, not redis://; use rediss:// (with TLS options the bridge never connects plain)',
+    );
+    expect(await depthOf(plainAmqp(), source)).toBe(5);
+    expect(await depthOf(plainAmqp(), target)).toBe(0);
+  });
+
+  it('unreadable or mismatched certificate files are usage errors naming the flag and the file', async () => {
+    const { source, target } = await tlsQueues(0);
+    const missing = `${tls.certs.ca}.missing`;
+    const results = await Promise.all([
+      runCli(tlsRunArgs(source, target, { '--target-ca': missing })),
+      runCli(tlsRunArgs(source, target, { '--redis-key': tls.certs.serverKey })),
+      runCli(tlsRunArgs(source, target, { '--source-ca': tls.certs.clientKey })),
+      runCli(
+        tlsRunArgs(source, target).filter(
+          (value, index, all) => value !== '--source-key' && all[index - 1] !== '--source-key',
+        ),
+      ),
+    ]);
+    expect(results.map((result) => result.code)).toEqual([2, 2, 2, 2]);
+    expect(results.map(onlyLine)).toEqual([
+      `dedup-bridge: --target-ca: cannot read "${missing}" (ENOENT); give the path of a PEM file`,
+      `dedup-bridge: --redis-key: "${tls.certs.serverKey}" is not the key of the certificate in --redis-cert`,
+      `dedup-bridge: --source-ca: "${tls.certs.clientKey}" holds no PEM certificate (-----BEGIN CERTIFICATE-----)`,
+      'dedup-bridge: --source-cert and --source-key: give both (the client certificate and its private key) or neither',
+    ]);
+  });
+});
