@@ -5,6 +5,7 @@ import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { parseDuration } from './duration.js';
 import { redactUrl } from './redact.js';
+import { parseRedisUrl } from './redis-url.js';
 
 /** The defaults, documented in README's CLI reference; change both together. */
 export const DEFAULTS = {
@@ -119,7 +120,14 @@ function urlWith(protocols: string[], example: string) {
 }
 
 const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');
-const redisUrl = urlWith(['redis:', 'rediss:'], 'redis://host:6379');
+// One server, a Sentinel set or a Cluster: src/config/redis-url.ts reads all three forms.
+const redisUrl = z.string().superRefine((value, ctx) => {
+  try {
+    parseRedisUrl(value);
+  } catch (error) {
+    ctx.addIssue({ code: 'custom', message: (error as Error).message });
+  }
+});
 // RabbitMQ limits names to 255 bytes.
 const name = z
   .string()

@@ -1,6 +1,7 @@
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import type { ChainableCommander, Redis } from 'ioredis';
+import type { ChainableCommander } from 'ioredis';
+import type { RedisClient } from './redis.js';
 
 export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
 export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
@@ -44,7 +45,7 @@ export class DedupCache {
   private readonly scripts: Record<ScriptName, ScriptCall>;
 
   constructor(
-    readonly redis: Redis,
+    readonly redis: RedisClient,
     options: DedupCacheOptions,
   ) {
     this.token = options.token;

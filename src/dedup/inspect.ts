@@ -1,6 +1,7 @@
-import type { Redis } from 'ioredis';
 import { cacheKey } from './cache.js';
 import { keyOfValue } from './id.js';
+import type { RedisClient } from './redis.js';
+import { groupByHashTag, masterNodes } from './slots.js';
 
 export interface IdState {
   id: string;
@@ -16,7 +17,7 @@ export interface IdState {
 
 /** What the cache holds for each ID (typed on the command line, so keyed as a text ID). */
 export async function inspectIds(
-  redis: Redis,
+  redis: RedisClient,
   prefix: string,
   scope: string,
   ids: string[],
@@ -57,37 +58,51 @@ export interface ScopeStats {
   approxBytes: number;
 }
 
-/** Counts a scope's records with SCAN (no KEYS), and estimates their memory from a sample. */
-export async function scopeStats(redis: Redis, prefix: string, scope: string): Promise<ScopeStats> {
+/**
+ * Counts a scope's records with SCAN (no KEYS), and estimates their memory from a sample. On a
+ * Cluster each master holds some of the scope's slots, so every master is scanned.
+ */
+export async function scopeStats(redis: RedisClient, prefix: string, scope: string): Promise<ScopeStats> {
   const pattern = `${cacheKey(prefix, scope, '').replace(/[*?[\]\\]/g, '\\$&')}*`;
-  let cursor = '0';
   let committed = 0;
   let claimed = 0;
   let sampled = 0;
   let sampleBytes = 0;
-  do {
-    const [next, keys] = await redis.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
-    cursor = next;
-    if (keys.length === 0) continue;
-    const values = await redis.mget(...keys);
-    for (const value of values) {
-      if (value === 'd') committed++;
-      else if (value !== null) claimed++;
-    }
-    for (const key of keys.slice(0, 5)) {
-      const bytes = Number(await redis.memory('USAGE', key).catch(() => 0));
-      if (bytes > 0) {
-        sampled++;
-        sampleBytes += bytes;
+  for (const node of masterNodes(redis)) {
+    let cursor = '0';
+    do {
+      const [next, keys] = await node.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
+      cursor = next;
+      if (keys.length === 0) continue;
+      // Straight to the node that owns these keys, one MGET per slot.
+      for (const group of groupByHashTag(keys)) {
+        for (const value of await node.mget(...group)) {
+          if (value === 'd') committed++;
+          else if (value !== null) claimed++;
+        }
       }
-    }
-  } while (cursor !== '0');
+      for (const key of keys.slice(0, 5)) {
+        const bytes = Number(await node.memory('USAGE', key).catch(() => 0));
+        if (bytes > 0) {
+          sampled++;
+          sampleBytes += bytes;
+        }
+      }
+    } while (cursor !== '0');
+  }
   const total = committed + claimed;
   return { committed, claimed, approxBytes: sampled > 0 ? Math.round((sampleBytes / sampled) * total) : 0 };
 }
 
-/** Deletes the records of the given IDs; returns how many existed. */
-export async function forgetIds(redis: Redis, prefix: string, scope: string, ids: string[]): Promise<number> {
-  if (ids.length === 0) return 0;
-  return redis.del(...ids.map((id) => cacheKey(prefix, scope, keyOfValue(id) ?? id)));
+/** Deletes the records of the given IDs; returns how many existed. One DEL per slot. */
+export async function forgetIds(
+  redis: RedisClient,
+  prefix: string,
+  scope: string,
+  ids: string[],
+): Promise<number> {
+  const keys = ids.map((id) => cacheKey(prefix, scope, keyOfValue(id) ?? id));
+  let removed = 0;
+  for (const group of groupByHashTag(keys)) removed += await redis.del(...group);
+  return removed;
 }

@@ -1,5 +1,4 @@
 import type { ConsumeMessage } from 'amqplib';
-import type { Redis } from 'ioredis';
 import { connectAmqp } from '../amqp/connect.js';
 import { checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
@@ -7,6 +6,8 @@ import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { cacheKey } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
+import type { RedisClient } from '../dedup/redis.js';
+import { getMany } from '../dedup/slots.js';
 import type { Logger } from '../observe/log.js';
 import { buildQueueReport, type QueueReport } from './report.js';
 
@@ -17,7 +18,7 @@ import { buildQueueReport, type QueueReport } from './report.js';
  */
 export async function dryRunQueue(
   settings: BridgeSettings,
-  redis: Redis,
+  redis: RedisClient,
   limit: number | undefined,
   log: Logger,
 ): Promise<QueueReport> {
@@ -67,9 +68,9 @@ export async function dryRunQueue(
       if (rejected.length > 0) counters.badIdHeader++;
       return id ? cacheKey(settings.redisPrefix, settings.scope, id.key) : undefined;
     });
-    // Only real keys go to Redis: they share the scope's hash slot, as the bridge's scripts need.
+    // Only real keys go to Redis, one MGET per hash slot (a Cluster refuses one that spans slots).
     const withId = keys.filter((key): key is string => key !== undefined);
-    const values = withId.length > 0 ? await redis.mget(...withId) : [];
+    const values = await getMany(redis, withId);
     const committed = new Set(withId.filter((_, index) => values[index] === 'd'));
     for (const key of keys) {
       counters.consumed++;

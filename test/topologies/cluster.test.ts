@@ -1,0 +1,70 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { RedisClusterSet } from '../harness/redis-topologies.js';
+import {
+  countDelivery,
+  depthOf,
+  migrateArgs,
+  migrateWithReport,
+  publishAll,
+  queuePair,
+  runCli,
+  takeAll,
+} from '../helpers.js';
+import { numbered, onRedis } from './topo-helpers.js';
+
+describe('Redis Cluster (three masters, one replica each)', () => {
+  let cluster: RedisClusterSet;
+  beforeAll(async () => {
+    cluster = await RedisClusterSet.start();
+  });
+  afterAll(async () => {
+    await cluster?.stop();
+  });
+
+  it('migrate forwards every message once, remembers the IDs in the Cluster, and the cache tools read them', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const { ids, messages } = numbered(source, 1000);
+    await publishAll(sourceUrl, source, messages);
+    const args = onRedis(migrateArgs(source, ['--target-queue', target]), cluster.url);
+
+    const first = await migrateWithReport(args);
+    expect(first.stderr).not.toMatch(/CROSSSLOT|error/i);
+    expect(first.code).toBe(0);
+    expect(first.report).toMatchObject({ forwarded: 1000, duplicates: 0 });
+    const delivered = countDelivery(
+      'cluster first run',
+      ids,
+      (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(delivered).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+
+    // The same messages again: every ID is found in the Cluster, nothing is forwarded.
+    await publishAll(sourceUrl, source, messages);
+    const again = await migrateWithReport(args);
+    expect(again.code).toBe(0);
+    expect(again.report).toMatchObject({ forwarded: 0, duplicates: 1000 });
+    expect(await depthOf(targetUrl, target)).toBe(0);
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+
+    const scope = `queue:${target}`;
+    const tool = (...rest: string[]) => runCli([...rest, '--redis', cluster.url, '--scope', scope]);
+    const stats = await tool('cache', 'stats');
+    expect(stats.stderr).toBe('');
+    expect(stats.stdout).toMatch(
+      new RegExp(`^scope ${scope}: 1000 committed IDs, 0 claims, about \\d+ KiB$`, 'm'),
+    );
+    const inspect = await tool('inspect', ids[0] as string, 'nope');
+    expect(inspect.code).toBe(0);
+    expect(inspect.stdout).toMatch(new RegExp(`^${ids[0]}\\tcommitted · expires in 6d 23h$`, 'm'));
+    expect(inspect.stdout).toMatch(/^nope\tunknown · expires in -$/m);
+    const forget = await tool('cache', 'forget', ...ids.slice(0, 10), '--yes');
+    expect(forget.stdout).toContain('forgot 10 of 10 ID(s)');
+    expect((await tool('cache', 'stats')).stdout).toContain(': 990 committed IDs');
+
+    // A dry run reads the Cluster too: the ten forgotten IDs would go, the rest are duplicates.
+    await publishAll(sourceUrl, source, messages);
+    const dry = await migrateWithReport([...args, '--dry-run']);
+    expect(dry.code).toBe(0);
+    expect(dry.report).toMatchObject({ forwarded: 10, duplicates: 990 });
+  });
+});
