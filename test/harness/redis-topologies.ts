@@ -176,22 +176,15 @@ export class RedisClusterSet {
     return node;
   }
 
-  /** The port of the master that serves the slot of `key`, as a live node sees it. */
-  async ownerOf(key: string): Promise<number> {
-    const alive = this.nodes.find((node) => isAlive(node.pid()));
-    if (!alive) throw new Error('harness: no cluster node is running');
-    const slot = Number(await cli(alive.port, 'cluster', 'keyslot', key));
-    for (const line of (await cli(alive.port, 'cluster', 'nodes')).split('\n')) {
-      const fields = line.split(' ');
-      if (!fields[2]?.includes('master') || fields[2].includes('fail')) continue;
-      for (const range of fields.slice(8)) {
-        const [low, high = low] = range.split('-').map(Number);
-        if (low !== undefined && high !== undefined && slot >= low && slot <= high) {
-          return Number(/:(\d+)@/.exec(line)?.[1]);
-        }
-      }
+  /** The live master holding the most keys that match a SCAN pattern. */
+  async busiestMaster(pattern: string): Promise<number> {
+    let best = { port: 0, keys: -1 };
+    for (const port of await this.masterPorts()) {
+      const found = await cli(port, '--scan', '--pattern', pattern);
+      const keys = found === '' ? 0 : found.split('\n').length;
+      if (keys > best.keys) best = { port, keys };
     }
-    throw new Error(`harness: no master serves slot ${slot}`);
+    return best.port;
   }
 
   async stop(): Promise<void> {
