@@ -7,7 +7,8 @@ import { cleanLeftovers, freePort, newRunDir } from './servers.js';
 const exec = promisify(execFile);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
-async function cli(port: number, ...args: string[]): Promise<string> {
+/** redis-cli against one of our servers; its trimmed stdout. */
+export async function cli(port: number, ...args: string[]): Promise<string> {
   const { stdout } = await exec('redis-cli', ['-h', '127.0.0.1', '-p', String(port), ...args], {
     timeout: 10_000,
   });

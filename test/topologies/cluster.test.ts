@@ -2,7 +2,7 @@ import { mkdtempSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { RedisClusterSet } from '../harness/redis-topologies.js';
+import { cli, RedisClusterSet } from '../harness/redis-topologies.js';
 import {
   countDelivery,
   depthOf,
@@ -32,7 +32,16 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     await publishAll(sourceUrl, source, messages);
     const args = onRedis(migrateArgs(source, ['--target-queue', target]), cluster.url);
 
-    const first = await migrateWithReport(args);
+    // One master that may evict: the start-up check looks at every master, not just one.
+    const [evicting] = (await cluster.masterPorts()).slice(-1);
+    await cli(evicting ?? 0, 'config', 'set', 'maxmemory', '1gb', 'maxmemory-policy', 'allkeys-lru');
+    const first = await migrateWithReport(args).finally(() =>
+      cli(evicting ?? 0, 'config', 'set', 'maxmemory', '0', 'maxmemory-policy', 'noeviction'),
+    );
+    expect(first.stdout).toContain(
+      `Redis master 127.0.0.1:${evicting} may evict keys (maxmemory-policy allkeys-lru)`,
+    );
+    expect(first.stdout).not.toContain('append-only');
     expect(first.stderr).not.toMatch(/CROSSSLOT|error/i);
     expect(first.code).toBe(0);
     expect(first.report).toMatchObject({ forwarded: 1000, duplicates: 0 });

@@ -55,6 +55,8 @@ describe('Redis Sentinel (master, replica, three sentinels)', () => {
     const resumedAfter = Date.now() - killedAt;
     const ended = await bridge.done;
     expect(ended.code, ended.stderr).toBe(0);
+    // At start the master had its replica (and an append-only file): nothing to warn about.
+    expect(ended.stdout).not.toMatch(/no replica connected|append-only/);
     expect(await depthOf(sourceUrl, source)).toBe(0);
     const report = JSON.parse(readFileSync(reportPath, 'utf8')) as Record<string, unknown>;
     expect(report).toMatchObject({ accounted: true });
@@ -80,6 +82,8 @@ describe('Redis Sentinel (master, replica, three sentinels)', () => {
     await publishAll(sourceUrl, source, messages);
     const resend = await migrateWithReport(onRedis(migrateArgs(source, ['--target-queue', target]), set.url));
     expect(resend.code).toBe(0);
+    // The promoted replica stands alone now (its old master is dead), and the check says so.
+    expect(resend.stdout).toContain('the Redis master Sentinel names has no replica connected');
     expect(resend.report).toMatchObject({ forwarded: forgotten, duplicates: TOTAL - forgotten });
     process.stdout.write(
       `failover figures: ${TOTAL} messages · master killed after ${depthAtKill} forwarded · replica promoted after ${(promotedAfter / 1000).toFixed(1)}s · forwarding resumed after ${(resumedAfter / 1000).toFixed(1)}s · lost ${delivered.lost} · duplicated during the transfer ${delivered.duplicated} (${flagged} flagged in-doubt) · IDs forgotten by the failover ${forgotten} (forwarded again when resent: ${Number(resend.report?.forwarded)})\n`,
