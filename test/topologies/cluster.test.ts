@@ -2,17 +2,24 @@ import { mkdtempSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
+import { connectRedis } from '../../src/dedup/redis.js';
+import { createLogger } from '../../src/observe/log.js';
 import { cli, RedisClusterSet } from '../harness/redis-topologies.js';
 import {
   countDelivery,
+  declareQueue,
   depthOf,
   migrateArgs,
   migrateWithReport,
+  openBroker,
   publishAll,
   queuePair,
   runCli,
+  servers,
   startCli,
   takeAll,
+  uniqueName,
   waitFor,
 } from '../helpers.js';
 import { numbered, onRedis } from './topo-helpers.js';
@@ -80,6 +87,40 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     const dry = await migrateWithReport([...args, '--dry-run']);
     expect(dry.code).toBe(0);
     expect(dry.report).toMatchObject({ forwarded: 10, duplicates: 990 });
+  });
+
+  it('the idempotent consumer runs its handler once per ID with a Cluster client', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('cluster-consumer');
+    await declareQueue(targetUrl, queue);
+    const { ids, messages } = numbered(queue, 200);
+    // The first 50 twice: their second copies are duplicates the handler must not see.
+    await publishAll(targetUrl, queue, [...messages, ...messages.slice(0, 50)]);
+    const redis = await connectRedis(cluster.url, 10_000, createLogger('silent'));
+    const broker = await openBroker(targetUrl);
+    const handled: string[] = [];
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      handler: (message) => {
+        handled.push(String(message.properties.headers?._HQ_DUPL_ID));
+      },
+    });
+    try {
+      expect(await waitFor(() => consumer.counts.processed + consumer.counts.duplicates === 250)).toBe(true);
+    } finally {
+      await consumer.stop();
+      await broker.close();
+      redis.disconnect();
+    }
+    expect(consumer.counts).toMatchObject({ processed: 200, duplicates: 50, failures: 0 });
+    expect(countDelivery('cluster consumer', ids, handled)).toMatchObject({
+      lost: 0,
+      duplicated: 0,
+      unexpected: 0,
+    });
   });
 
   it('a master killed mid-transfer: its replica takes over, nothing is lost', async () => {
