@@ -19,6 +19,7 @@ export {
 export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
 export { DedupCache } from './dedup/cache.js';
 export { DUPLICATE_ID_HEADER, deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
+export type { RedisClient } from './dedup/redis.js';
 export {
   BridgeError,
   ConfigError,

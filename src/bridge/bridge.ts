@@ -1,11 +1,10 @@
-import type { Redis } from 'ioredis';
 import { AmqpLink } from '../amqp/link.js';
 import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { DedupCache, newOwnerToken } from '../dedup/cache.js';
-import { connectRedis } from '../dedup/redis.js';
+import { connectRedis, type RedisClient } from '../dedup/redis.js';
 import { type BridgeError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { MessageBudget } from './limits.js';
@@ -83,7 +82,7 @@ export async function startBridge(
   source.onBroken = (reason) => sourceLink.reset(reason);
   target.onBroken = (reason) => targetLink.reset(reason);
 
-  let redis: Redis | undefined;
+  let redis: RedisClient | undefined;
   let cache: DedupCache;
   const closeAll = async () => {
     target.close();

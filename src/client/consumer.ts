@@ -1,9 +1,10 @@
 import type { Channel, ConsumeMessage } from 'amqplib';
-import type { ChainableCommander, Redis } from 'ioredis';
+import type { ChainableCommander } from 'ioredis';
 import { backoffDelay, sleep } from '../amqp/backoff.js';
 import { IN_DOUBT_HEADER } from '../bridge/pipeline.js';
 import { DedupCache, newOwnerToken } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
+import type { RedisClient } from '../dedup/redis.js';
 
 export interface HandlerContext {
   /** The message's ID, as the cache keys it (the same bytes give the same ID, string or Buffer). */
@@ -20,7 +21,7 @@ export interface HandlerContext {
 export interface IdempotentConsumerOptions {
   channel: Channel;
   queue: string;
-  redis: Redis;
+  redis: RedisClient;
   /** The consumer's own scope, e.g. "billing": not the bridge's (which marks "on the target"). */
   scope: string;
   handler: (message: ConsumeMessage, context: HandlerContext) => Promise<void> | void;

@@ -5,6 +5,7 @@ import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { parseDuration } from './duration.js';
 import { redactUrl } from './redact.js';
+import { parseRedisUrl } from './redis-url.js';
 import { resolveTlsSettings, type TlsSettings } from './tls.js';
 
 /** The defaults, documented in README's CLI reference; change both together. */
@@ -155,7 +156,14 @@ const amqpUrlList = z
       .filter((item) => item.length > 0),
   )
   .pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
-export const redisUrl = urlWith(['redis:', 'rediss:'], 'redis://host:6379');
+// One server, a Sentinel set or a Cluster: src/config/redis-url.ts reads all three forms.
+export const redisUrl = z.string().superRefine((value, ctx) => {
+  try {
+    parseRedisUrl(value);
+  } catch (error) {
+    ctx.addIssue({ code: 'custom', message: (error as Error).message });
+  }
+});
 // RabbitMQ limits names to 255 bytes.
 export const name = z
   .string()

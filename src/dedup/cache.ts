@@ -1,7 +1,8 @@
 import { createHash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import type { ChainableCommander, Redis } from 'ioredis';
+import type { ChainableCommander } from 'ioredis';
 import { ConfigError } from '../errors.js';
+import type { RedisClient } from './redis.js';
 
 export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
 export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
@@ -143,7 +144,7 @@ export class DedupCache {
   private readonly scripts: Record<ScriptName, ScriptCall>;
 
   private constructor(
-    readonly redis: Redis,
+    readonly redis: RedisClient,
     private readonly options: DedupCacheOptions,
     readonly layout: CacheLayout,
   ) {
@@ -159,7 +160,7 @@ export class DedupCache {
   }
 
   /** Reads the scope's layout, or records one for a new scope, and returns the cache. */
-  static async open(redis: Redis, options: DedupCacheOptions): Promise<DedupCache> {
+  static async open(redis: RedisClient, options: DedupCacheOptions): Promise<DedupCache> {
     const key = layoutKey(options.prefix, options.scope);
     const cluster = (redis as unknown as { isCluster?: boolean }).isCluster === true;
     const wanted: CacheLayout = {
@@ -184,7 +185,7 @@ export class DedupCache {
 
   /** For the cache tools: the scope's layout if it was ever written, without creating one. */
   static async existing(
-    redis: Redis,
+    redis: RedisClient,
     options: Omit<DedupCacheOptions, 'token' | 'leaseMs'>,
   ): Promise<DedupCache | undefined> {
     const stored = await redis.get(layoutKey(options.prefix, options.scope));

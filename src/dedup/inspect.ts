@@ -1,6 +1,7 @@
-import type { Redis } from 'ioredis';
 import { DedupCache } from './cache.js';
 import { keyOfValue } from './id.js';
+import type { RedisClient } from './redis.js';
+import { masterNodes } from './slots.js';
 
 export interface IdState {
   id: string;
@@ -17,13 +18,13 @@ export interface IdState {
 // The tools look at every slice still stored, whatever window wrote it.
 const ANY_WINDOW = Number.MAX_SAFE_INTEGER;
 
-function openScope(redis: Redis, prefix: string, scope: string): Promise<DedupCache | undefined> {
+function openScope(redis: RedisClient, prefix: string, scope: string): Promise<DedupCache | undefined> {
   return DedupCache.existing(redis, { prefix, scope, windowMs: ANY_WINDOW });
 }
 
 /** What the cache holds for each ID (typed on the command line, so keyed as a text ID). */
 export async function inspectIds(
-  redis: Redis,
+  redis: RedisClient,
   prefix: string,
   scope: string,
   ids: string[],
@@ -77,7 +78,7 @@ export interface ScopeStats {
  * Counts a scope's records: committed IDs from the slice totals in each shard's meta hash, claims
  * with SCAN (no KEYS); memory from a sample of the keys, scaled up.
  */
-export async function scopeStats(redis: Redis, prefix: string, scope: string): Promise<ScopeStats> {
+export async function scopeStats(redis: RedisClient, prefix: string, scope: string): Promise<ScopeStats> {
   const cache = await openScope(redis, prefix, scope);
   if (!cache) return { committed: 0, claimed: 0, approxBytes: 0 };
   let committed = 0;
@@ -105,21 +106,29 @@ export async function scopeStats(redis: Redis, prefix: string, scope: string): P
         await sample(`${base}:d:${slice}:${last}:${bucket}`);
       }
     }
+    // SCAN walks one server: on a Cluster, every master (only the one owning the slot has any).
     const pattern = `${base.replace(/[*?[\]\\]/g, '\\$&')}:c:*`;
-    let cursor = '0';
-    do {
-      const [next, keys] = await redis.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
-      cursor = next;
-      claimed += keys.length;
-      for (const key of keys.slice(0, 3)) await sample(key);
-    } while (cursor !== '0');
+    for (const node of masterNodes(redis)) {
+      let cursor = '0';
+      do {
+        const [next, keys] = await node.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
+        cursor = next;
+        claimed += keys.length;
+        for (const key of keys.slice(0, 3)) await sample(key);
+      } while (cursor !== '0');
+    }
   }
   const keys = bucketKeys + claimed;
   return { committed, claimed, approxBytes: sampled > 0 ? Math.round((sampleBytes / sampled) * keys) : 0 };
 }
 
 /** Deletes the records of the given IDs; returns how many had one. */
-export async function forgetIds(redis: Redis, prefix: string, scope: string, ids: string[]): Promise<number> {
+export async function forgetIds(
+  redis: RedisClient,
+  prefix: string,
+  scope: string,
+  ids: string[],
+): Promise<number> {
   const cache = await openScope(redis, prefix, scope);
   if (!cache || ids.length === 0) return 0;
   return cache.forget(ids.map((id) => cache.keyOf(keyOfValue(id) ?? id)));

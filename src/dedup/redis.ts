@@ -1,13 +1,61 @@
-import { Redis } from 'ioredis';
+import { Cluster, Redis } from 'ioredis';
 import { backoffDelay } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
-import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
+import { passwordOf, redactSecrets } from '../config/redact.js';
+import { describeRedis, parseRedisUrl, type RedisTopology } from '../config/redis-url.js';
 import { redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { FatalConnectError, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
+import { masterNodes } from './slots.js';
+
+/** What the rest of the code talks to: one server (alone or found through Sentinel) or a Cluster. */
+export type RedisClient = Redis | Cluster;
 
 // Replies that mean the URL's credentials or database are wrong: retrying cannot fix them.
 const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR DB index is out of range)/;
+
+const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);
+
+/** Builds the ioredis client for a topology, not yet connected. */
+function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisClient {
+  const common = {
+    maxRetriesPerRequest: null,
+    connectionName: 'dedup-bridge',
+    connectTimeout: 5000,
+  };
+  if (topology.kind === 'standalone')
+    return new Redis(topology.url, {
+      ...common,
+      lazyConnect: true,
+      retryStrategy,
+      ...redisTlsOptions(topology.url, tls),
+    });
+  const { username, password } = topology;
+  if (topology.kind === 'sentinel') {
+    return new Redis({
+      ...common,
+      lazyConnect: true,
+      sentinels: topology.sentinels,
+      name: topology.masterName,
+      db: topology.db,
+      username,
+      password,
+      retryStrategy,
+      sentinelRetryStrategy: retryStrategy,
+      // Reconnect as soon as Sentinel announces a new master, not only when the old one drops us.
+      failoverDetector: true,
+    });
+  }
+  return new Cluster(topology.nodes, {
+    lazyConnect: true,
+    redisOptions: { ...common, username, password },
+    clusterRetryStrategy: retryStrategy,
+    // While a replica takes over a dead master's slots, commands wait and retry rather than fail.
+    retryDelayOnFailover: 200,
+    retryDelayOnClusterDown: 300,
+    maxRedirections: 50,
+  });
+}
 
 /**
  * Connects to Redis and waits until it answers, retrying with backoff for up to `retryForMs`
@@ -19,18 +67,12 @@ export async function connectRedis(
   retryForMs: number,
   log: Logger,
   tls?: TlsFiles,
-): Promise<Redis> {
-  const where = `Redis at ${redactUrl(url)}`;
-  const secret = passwordOf(url);
+): Promise<RedisClient> {
+  const topology = parseRedisUrl(url);
+  const where = describeRedis(topology);
+  const secret = topology.kind === 'standalone' ? passwordOf(url) : (topology.password ?? '');
   let lastError: unknown;
-  const redis = new Redis(url, {
-    lazyConnect: true,
-    maxRetriesPerRequest: null,
-    connectionName: 'dedup-bridge',
-    connectTimeout: 5000,
-    retryStrategy: (attempt) => backoffDelay(attempt, 100, 5000),
-    ...redisTlsOptions(url, tls),
-  });
+  const redis = newClient(topology, tls);
   let connected = false;
   // ioredis reports every failed reconnect attempt; log the first as "lost", the others at debug.
   let down = false;
@@ -77,9 +119,12 @@ export async function connectRedis(
         }
       };
       redis.on('error', onError);
+      // A Cluster reports a node's refusal (e.g. WRONGPASS) on 'node error'.
+      redis.on('node error', onError);
       redis.once('ready', () => {
         clearTimeout(timer);
         redis.off('error', onError);
+        redis.off('node error', onError);
         resolve();
       });
       redis.connect().catch(() => {
@@ -96,23 +141,36 @@ export async function connectRedis(
 
 /**
  * What makes a Redis unsafe as the dedup record: it keeps nothing on disk (a restart forgets the
- * IDs), or it may evict keys under memory pressure (an evicted ID is a forgotten one).
+ * IDs), or it may evict keys under memory pressure (an evicted ID is a forgotten one). A Cluster
+ * is checked master by master; a Sentinel-managed master also needs a replica to fail over to.
  */
-export async function redisSafetyWarnings(redis: Redis): Promise<string[]> {
+export async function redisSafetyWarnings(redis: RedisClient): Promise<string[]> {
   const warnings: string[] = [];
   const field = (info: string, name: string) => new RegExp(`^${name}:(.*)$`, 'm').exec(info)?.[1]?.trim();
-  const persistence = await redis.info('persistence');
-  if (field(persistence, 'aof_enabled') === '0') {
-    warnings.push(
-      'Redis runs without an append-only file: a restart loses the IDs written since its last snapshot, and messages resent after that are forwarded again; run it with appendonly yes',
-    );
+  const nodes = masterNodes(redis);
+  for (const node of nodes) {
+    const who = nodes.length > 1 ? `Redis master ${node.options.host}:${node.options.port}` : 'Redis';
+    const persistence = await node.info('persistence');
+    if (field(persistence, 'aof_enabled') === '0') {
+      warnings.push(
+        `${who} runs without an append-only file: a restart loses the IDs written since its last snapshot, and messages resent after that are forwarded again; run it with appendonly yes`,
+      );
+    }
+    const memory = await node.info('memory');
+    const policy = field(memory, 'maxmemory_policy');
+    if (Number(field(memory, 'maxmemory') ?? 0) > 0 && policy !== undefined && policy !== 'noeviction') {
+      warnings.push(
+        `${who} may evict keys (maxmemory-policy ${policy}): an evicted ID is forwarded again; set maxmemory-policy noeviction`,
+      );
+    }
   }
-  const memory = await redis.info('memory');
-  const policy = field(memory, 'maxmemory_policy');
-  if (Number(field(memory, 'maxmemory') ?? 0) > 0 && policy !== undefined && policy !== 'noeviction') {
-    warnings.push(
-      `Redis may evict keys (maxmemory-policy ${policy}): an evicted ID is forwarded again; set maxmemory-policy noeviction`,
-    );
+  if (!(redis instanceof Cluster) && redis.options.sentinels) {
+    const replication = await redis.info('replication');
+    if (field(replication, 'connected_slaves') === '0') {
+      warnings.push(
+        'the Redis master Sentinel names has no replica connected: if it fails there is nothing to promote, and the bridge waits until it is back',
+      );
+    }
   }
   return warnings;
 }

@@ -1,5 +1,4 @@
 import type { ConsumeMessage } from 'amqplib';
-import type { Redis } from 'ioredis';
 import { connectAmqp } from '../amqp/connect.js';
 import { checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
@@ -7,6 +6,7 @@ import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
+import type { RedisClient } from '../dedup/redis.js';
 import type { Logger } from '../observe/log.js';
 import { buildQueueReport, type QueueReport } from './report.js';
 
@@ -17,7 +17,7 @@ import { buildQueueReport, type QueueReport } from './report.js';
  */
 export async function dryRunQueue(
   settings: BridgeSettings,
-  redis: Redis,
+  redis: RedisClient,
   limit: number | undefined,
   log: Logger,
 ): Promise<QueueReport> {

@@ -1,6 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
-import type { Redis } from 'ioredis';
+import type { RedisClient } from '../dedup/redis.js';
 import { BridgeError, ExitCode } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 
@@ -20,7 +20,7 @@ interface Holder {
 
 type Script = (key: string, value: string, ...args: (string | number)[]) => Promise<number>;
 
-function script(redis: Redis, name: string): Script {
+function script(redis: RedisClient, name: string): Script {
   const command = `dedupBridge_${name.replace('-', '_')}`;
   if (!(command in redis)) {
     const lua = readFileSync(new URL(`../dedup/lua/${name}.lua`, import.meta.url), 'utf8');
@@ -39,7 +39,7 @@ export class JobLock {
   private lost = false;
 
   private constructor(
-    private readonly redis: Redis,
+    private readonly redis: RedisClient,
     private readonly key: string,
     private readonly value: string,
     private readonly leaseMs: number,
@@ -47,7 +47,7 @@ export class JobLock {
   ) {}
 
   static async acquire(
-    redis: Redis,
+    redis: RedisClient,
     prefix: string,
     job: string,
     owner: string,

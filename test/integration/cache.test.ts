@@ -154,6 +154,9 @@ describe('the Redis cache scripts (real Redis)', () => {
     await cache.claim([a, b]);
     await cache.commit([a]);
     expect(await cache.forget([a, b, c])).toBe(2);
+    // The slice's total no longer counts the forgotten ID (cache stats reads it).
+    const [meta] = Object.values(await redis.hgetall(`dedup:{${scope}}:m`));
+    expect(meta?.split(':')[1]).toBe('0');
     expect((await cache.lookup([a, b, c])).map((record) => record.state)).toEqual([
       'unknown',
       'unknown',

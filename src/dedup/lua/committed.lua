@@ -34,15 +34,20 @@ local function read_slices(base, slice_ms, window, now)
   return live, expired
 end
 
--- The bucket key that holds the digest, or nil when no live slice has it.
+-- The bucket key that holds the digest and its slice, or nil when no live slice has it.
 local function find_committed(base, slices, field, h)
   for _, s in ipairs(slices) do
     for g, b in ipairs(s.buckets) do
       local key = base .. ':d:' .. s.slice .. ':' .. (g - 1) .. ':' .. (h % b)
-      if redis.call('HEXISTS', key, field) == 1 then return key end
+      if redis.call('HEXISTS', key, field) == 1 then return key, s end
     end
   end
   return nil
+end
+
+-- The meta field value of a slice.
+local function format_slice(s)
+  return s.n .. ':' .. s.total .. ':' .. table.concat(s.buckets, ',')
 end
 
 -- Moves a key's expiry to expire_at unless it already lives longer (another writer's window).
@@ -88,8 +93,7 @@ local function slice_writer(base, slices, slice_ms, window, now)
   function writer.finish(expired)
     for _, name in ipairs(expired) do redis.call('HDEL', base .. ':m', name) end
     if not changed then return end
-    redis.call('HSET', base .. ':m', current_slice,
-      current.n .. ':' .. current.total .. ':' .. table.concat(current.buckets, ','))
+    redis.call('HSET', base .. ':m', current_slice, format_slice(current))
     extend(base .. ':m', expire_at, now)
     for key in pairs(touched) do extend(key, expire_at, now) end
   end

@@ -10,10 +10,13 @@ local reply = {}
 for i, key in ipairs(KEYS) do
   local deleted = redis.call('DEL', key)
   local field, h = ARGV[1 + 2 * i], tonumber(ARGV[2 + 2 * i])
-  local bucket = find_committed(ARGV[2], slices, field, h)
+  local bucket, slice = find_committed(ARGV[2], slices, field, h)
   while bucket do
     deleted = deleted + redis.call('HDEL', bucket, field)
-    bucket = find_committed(ARGV[2], slices, field, h)
+    -- The slice's total counts its IDs (cache stats, and the size of the next slice).
+    slice.total = math.max(0, slice.total - 1)
+    redis.call('HSET', ARGV[2] .. ':m', slice.slice, format_slice(slice))
+    bucket, slice = find_committed(ARGV[2], slices, field, h)
   end
   if deleted > 0 then reply[i] = 1 else reply[i] = 0 end
 end
