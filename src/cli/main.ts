@@ -3,10 +3,16 @@ import { access, constants } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
 import { type Bridge, startBridge } from '../bridge/bridge.js';
-import { type MigrateRawOptions, resolveMigrateSettings } from '../config/migrate-settings.js';
+import { sourceTtlWarnings } from '../bridge/source-ttl.js';
+import {
+  checkManagementUrl,
+  type MigrateRawOptions,
+  resolveMigrateSettings,
+} from '../config/migrate-settings.js';
+import { redactUrl } from '../config/redact.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
-import { BridgeError, ConfigError, ExitCode, UnavailableError } from '../errors.js';
+import { BridgeError, ConfigError, ExitCode, FatalConnectError, UnavailableError } from '../errors.js';
 import { formatJobReport } from '../migrate/report.js';
 import { runMigration, writeReport } from '../migrate/runner.js';
 import { createLogger, type Logger } from '../observe/log.js';
@@ -64,11 +70,17 @@ function buildProgram(): Command {
   return program;
 }
 
-type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: boolean };
+type RunRawOptions = RawOptions & {
+  faultCrashAfterConfirm?: boolean;
+  strict?: boolean;
+  sourceManagement?: string;
+};
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
   const settings = resolveBridgeSettings(raw, 'run');
+  const management = raw.sourceManagement ? checkManagementUrl(raw.sourceManagement) : undefined;
   const log = createLogger(settings.logLevel);
+  warnOrRefuse(await sourceTtlWarnings([settings], management, log), raw.strict === true, log);
   await checkRedis(settings.redisUrl, settings.retryForMs, raw.strict === true, log);
   const signal = onStopSignal();
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
@@ -120,6 +132,8 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
   if (settings.reportPath) await checkWritable(settings.reportPath);
   const first = settings.routes[0] as BridgeSettings;
   const log = createLogger(first.logLevel);
+  const ttlWarnings = await sourceTtlWarnings(settings.routes, settings.sourceManagementUrl, log);
+  warnOrRefuse(ttlWarnings, raw.strict === true, log);
   await checkRedis(first.redisUrl, first.retryForMs, raw.strict === true, log);
   const signal = onStopSignal();
   const result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true);
@@ -133,12 +147,22 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
 async function checkRedis(redisUrl: string, retryForMs: number, strict: boolean, log: Logger): Promise<void> {
   const redis = await connectRedis(redisUrl, retryForMs, log);
   try {
-    for (const warning of await redisSafetyWarnings(redis)) {
-      if (strict) throw new ConfigError(`--strict: ${warning}`);
-      log.warn(warning);
-    }
+    warnOrRefuse(await redisSafetyWarnings(redis), strict, log);
+  } catch (error) {
+    if (!/^NOPERM/.test((error as Error).message)) throw error;
+    throw new FatalConnectError(
+      `Redis at ${redactUrl(redisUrl)}: the user may not run INFO, which the start-up checks need; grant it +info (see README, Least privilege)`,
+    );
   } finally {
     redis.disconnect();
+  }
+}
+
+/** A start-up check's findings: logged as warnings, or with --strict the first one refuses to start. */
+function warnOrRefuse(warnings: string[], strict: boolean, log: Logger): void {
+  for (const warning of warnings) {
+    if (strict) throw new ConfigError(`--strict: ${warning}`);
+    log.warn(warning);
   }
 }
 
