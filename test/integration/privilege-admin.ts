@@ -1,5 +1,7 @@
 import { spawn, spawnSync } from 'node:child_process';
-import { existsSync, readFileSync } from 'node:fs';
+import { createHash, randomBytes } from 'node:crypto';
+import { chmodSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
@@ -15,21 +17,22 @@ export interface Permissions {
   read: string;
 }
 
+export interface NewUser {
+  name: string;
+  password: string;
+  permissions: Permissions;
+  tags?: string;
+}
+
 /** Brokers and a Redis this test may add users to. */
 export interface AdminServers {
   sourceUrl: string;
   targetUrl: string;
   redisUrl: string;
   sourceManagementUrl: string;
-  /** Creates (or replaces) a user with these permissions on vhost '/'. */
-  addUser(
-    side: 'source' | 'target',
-    name: string,
-    password: string,
-    permissions: Permissions,
-    tags?: string,
-  ): Promise<void>;
-  deleteUser(side: 'source' | 'target', name: string): Promise<void>;
+  /** Creates (or replaces) users with these permissions on vhost '/'. */
+  addUsers(side: 'source' | 'target', users: NewUser[]): Promise<void>;
+  deleteUsers(side: 'source' | 'target', names: string[]): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -110,6 +113,7 @@ export async function adminServers(): Promise<AdminServers> {
     const redis = new RedisServer(runDir, 'privilege-redis');
     stop = async () => {
       await Promise.allSettled([source.stop(), target.stop(), redis.stop()]);
+      rmSync(runDir, { recursive: true, force: true });
     };
     try {
       await Promise.all([source.start(), target.start(), redis.start()]);
@@ -128,22 +132,56 @@ export async function adminServers(): Promise<AdminServers> {
   const api = urls.sourceManagementUrl;
   return {
     ...urls,
-    async addUser(side, name, password, permissions, tags = '') {
-      if (side === 'source') {
+    async addUsers(side, users) {
+      if (side === 'target') {
+        // One rabbitmqctl call for all of them: each call starts an Erlang VM (seconds).
+        await targetCtl('import_definitions', definitionsFile(users));
+        return;
+      }
+      for (const { name, password, permissions, tags = '' } of users) {
         await management(api, 'PUT', `users/${encodeURIComponent(name)}`, { password, tags });
         await management(api, 'PUT', `permissions/%2F/${encodeURIComponent(name)}`, permissions);
-      } else {
-        await targetCtl('add_user', name, password);
-        const { configure, write, read } = permissions;
-        await targetCtl('set_permissions', '-p', '/', name, configure, write, read);
       }
     },
-    async deleteUser(side, name) {
-      if (side === 'source') await management(api, 'DELETE', `users/${encodeURIComponent(name)}`);
-      else await targetCtl('delete_user', name);
+    async deleteUsers(side, names) {
+      await Promise.all(
+        names.map((name) =>
+          side === 'source'
+            ? management(api, 'DELETE', `users/${encodeURIComponent(name)}`)
+            : targetCtl('delete_user', name),
+        ),
+      );
     },
     stop,
   };
+}
+
+/**
+ * A definitions file with the users and their permissions on vhost '/'. Passwords go in as
+ * RabbitMQ's salted SHA-256 hash: base64(salt, sha256(salt, password)) with a 4-byte salt.
+ */
+function definitionsFile(users: NewUser[]): string {
+  const hash = (password: string) => {
+    const salt = randomBytes(4);
+    const digest = createHash('sha256').update(salt).update(password).digest();
+    return Buffer.concat([salt, digest]).toString('base64');
+  };
+  const definitions = {
+    users: users.map((user) => ({
+      name: user.name,
+      password_hash: hash(user.password),
+      hashing_algorithm: 'rabbit_password_hashing_sha256',
+      tags: user.tags ?? '',
+    })),
+    permissions: users.map((user) => ({ user: user.name, vhost: '/', ...user.permissions })),
+  };
+  const folder = mkdtempSync(join(tmpdir(), 'dedup-privilege-'));
+  const path = join(folder, 'definitions.json');
+  writeFileSync(path, JSON.stringify(definitions));
+  // rabbitmqctl may run as the rabbitmq user: it must be able to read the file.
+  chmodSync(folder, 0o755);
+  chmodSync(path, 0o644);
+  return path;
 }
 
 /** The URL with another user and password. */

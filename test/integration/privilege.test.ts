@@ -75,9 +75,13 @@ describe('least privilege: the bridge runs as users with only the documented per
   beforeAll(async () => {
     admin = await adminServers();
     await Promise.all([
-      admin.addUser('source', sourceUser, PASSWORD, sourcePermissions, 'management'),
-      admin.addUser('target', targetUser, PASSWORD, targetPermissions),
-      admin.addUser('target', noWriteUser, PASSWORD, { ...targetPermissions, write: '^$' }),
+      admin.addUsers('source', [
+        { name: sourceUser, password: PASSWORD, permissions: sourcePermissions, tags: 'management' },
+      ]),
+      admin.addUsers('target', [
+        { name: targetUser, password: PASSWORD, permissions: targetPermissions },
+        { name: noWriteUser, password: PASSWORD, permissions: { ...targetPermissions, write: '^$' } },
+      ]),
       redisAdmin(admin.redisUrl, 'ACL', 'SETUSER', redisUser, 'on', `>${PASSWORD}`, ...redisAcl(name)),
       redisAdmin(
         admin.redisUrl,
@@ -94,9 +98,8 @@ describe('least privilege: the bridge runs as users with only the documented per
   afterAll(async () => {
     if (!admin) return;
     await Promise.allSettled([
-      admin.deleteUser('source', sourceUser),
-      admin.deleteUser('target', targetUser),
-      admin.deleteUser('target', noWriteUser),
+      admin.deleteUsers('source', [sourceUser]),
+      admin.deleteUsers('target', [targetUser, noWriteUser]),
       redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', redisUser, noScriptsUser),
     ]);
     await admin.stop();
