@@ -2,7 +2,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { chmodSync, existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { Redis } from 'ioredis';
 import { newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
 import { servers } from '../helpers.js';
@@ -135,7 +135,12 @@ export async function adminServers(): Promise<AdminServers> {
     async addUsers(side, users) {
       if (side === 'target') {
         // One rabbitmqctl call for all of them: each call starts an Erlang VM (seconds).
-        await targetCtl('import_definitions', definitionsFile(users));
+        const file = definitionsFile(users);
+        try {
+          await targetCtl('import_definitions', file);
+        } finally {
+          rmSync(dirname(file), { recursive: true, force: true });
+        }
         return;
       }
       for (const { name, password, permissions, tags = '' } of users) {
