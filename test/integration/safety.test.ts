@@ -1,4 +1,5 @@
 import { describe, expect, it } from 'vitest';
+import { freePort } from '../harness/servers.js';
 import {
   declareQueue,
   depthOf,
@@ -154,5 +155,17 @@ describe('start-up check: the dedup window against what the source queue can red
     expect(skipped).toHaveLength(1);
     expect(JSON.parse(skipped[0] as string).level).toBe(30);
     expect(warnings(unchecked.stdout).filter((line) => line.includes('source queue'))).toEqual([]);
+
+    // A management API that does not answer: one warning for all queues, a refusal with --strict.
+    await publishAll(servers().sourceUrl, first.source, [
+      { body: 'z', options: { headers: { _HQ_DUPL_ID: `${first.source}-z` } } },
+    ]);
+    const closed = `http://guest:guest@127.0.0.1:${await freePort()}`;
+    const unanswered = await runCli(job('--source-management', closed, '--strict'));
+    expect(unanswered.code).toBe(2);
+    expect(unanswered.stderr).toMatch(
+      /^dedup-bridge: --strict: source queue TTL not compared with --dedup-window: --source-management: http:\/\/guest:\*\*\*@127\.0\.0\.1:\d+\/? did not answer \([^)]*\); check the URL and that the management plugin runs\n$/,
+    );
+    expect(await depthOf(servers().sourceUrl, first.source)).toBe(1);
   });
 });
