@@ -70,6 +70,16 @@ export function classifyConnectError(
   return undefined;
 }
 
+/**
+ * A channel closed with ACCESS_REFUSED: the user lacks a permission. The broker's text names the
+ * resource ("access to exchange 'amq.default' in vhost '/' refused for user 'bridge'").
+ */
+export function accessRefused(where: string, error: unknown, permission: string): FatalConnectError {
+  const text = describe(error);
+  const detail = /ACCESS_REFUSED - ([^"]*)/.exec(text)?.[1] ?? text;
+  return new FatalConnectError(`${where}: ${detail}; grant the user ${permission} permission on it`);
+}
+
 export function unreachable(where: string, error: unknown, retriedMs: number): UnavailableError {
   const code = (error as { code?: unknown } | undefined)?.code;
   const reason = typeof code === 'string' ? code : describe(error);

@@ -1,8 +1,8 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message, Options } from 'amqplib';
-import { FatalConnectError } from '../errors.js';
+import { type BridgeError, FatalConnectError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { sleep } from './backoff.js';
-import { replyCodeOf } from './errors.js';
+import { accessRefused, replyCodeOf } from './errors.js';
 
 /** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
 interface AckState {
@@ -40,6 +40,8 @@ export class SourceQueue {
   beforeConsume: () => Promise<void> = async () => {};
   /** Called when a channel closes or the broker cancels the consumer: the owner reconnects. */
   onBroken: (reason: string) => void = () => {};
+  /** Called when the source refuses us for good (no write permission to park): the owner stops. */
+  onFatal: (error: BridgeError) => void = () => {};
 
   constructor(
     readonly queue: string,
@@ -57,7 +59,11 @@ export class SourceQueue {
     if (this.parkQueue !== undefined) {
       await checkQueueExists(probe, this.parkQueue, this.where, '--park-queue');
       const park = await connection.createConfirmChannel();
-      park.on('error', (error: Error) => this.log.warn({ error: error.message }, 'park channel error'));
+      park.on('error', (error: Error) => {
+        this.log.warn({ error: error.message }, 'park channel error');
+        if (replyCodeOf(error) === 403)
+          this.onFatal(accessRefused(`--park-queue: ${this.where}`, error, 'write'));
+      });
       park.on('return', (message) => {
         const pending = this.parkPending.get(Number(message.properties.headers?.[PARK_SEQ_HEADER]));
         if (pending) pending.returned = true;
@@ -96,19 +102,24 @@ export class SourceQueue {
     if (again) await this.beforeConsume();
     if (this.channel !== channel || !this.onMessage) return;
     const handler = this.onMessage;
-    const reply = await channel.consume(
-      this.queue,
-      (message) => {
-        if (message === null) {
-          if (this.channel === channel) this.onBroken('the broker cancelled the consumer');
-          return;
-        }
-        this.deliveredOn.set(message, channel);
-        this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
-        handler(message);
-      },
-      { noAck: false },
-    );
+    const reply = await channel
+      .consume(
+        this.queue,
+        (message) => {
+          if (message === null) {
+            if (this.channel === channel) this.onBroken('the broker cancelled the consumer');
+            return;
+          }
+          this.deliveredOn.set(message, channel);
+          this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
+          handler(message);
+        },
+        { noAck: false },
+      )
+      .catch((error: unknown) => {
+        if (replyCodeOf(error) === 403) throw accessRefused(`--source-queue: ${this.where}`, error, 'read');
+        throw error;
+      });
     this.consumerTag = reply.consumerTag;
   }
 

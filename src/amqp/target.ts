@@ -1,7 +1,8 @@
 import type { ChannelModel, ConfirmChannel, Message, Options } from 'amqplib';
 import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
+import type { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { replyCodeOf } from './errors.js';
+import { accessRefused, replyCodeOf } from './errors.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** What the target said about one publish. */
@@ -39,6 +40,8 @@ export class TargetPublisher {
   private readonly closedFlags = new WeakMap<ConfirmChannel, ChannelEnd>();
   /** Called when the channel closes under us: the owner reconnects. */
   onBroken: (reason: string) => void = () => {};
+  /** Called when the target refuses us for good (no write permission): the owner stops. */
+  onFatal: (error: BridgeError) => void = () => {};
 
   constructor(
     private readonly exchange: string,
@@ -56,6 +59,7 @@ export class TargetPublisher {
       // The broker closes a channel with a reply code (e.g. 406 for a message over max_message_size).
       if (replyCodeOf(error) !== undefined) flag.byServer = true;
       this.log.warn({ error: error.message }, 'target channel error');
+      if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
     });
     channel.on('return', (message: Message) => this.markReturned(message));
     channel.on('close', () => {

@@ -5,7 +5,7 @@ import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { DedupCache, newOwnerToken } from '../dedup/cache.js';
 import { connectRedis, type RedisClient } from '../dedup/redis.js';
-import { type BridgeError, RuntimeFailure } from '../errors.js';
+import { BridgeError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
@@ -148,9 +148,15 @@ export async function startBridge(
   });
   sourceLink.onFatal = reportFailure;
   targetLink.onFatal = reportFailure;
+  source.onFatal = reportFailure;
+  target.onFatal = reportFailure;
   try {
     await pipeline.start((error) =>
-      reportFailure(new RuntimeFailure(`route ${settings.route}: internal error: ${error.message}`)),
+      reportFailure(
+        error instanceof BridgeError
+          ? error
+          : new RuntimeFailure(`route ${settings.route}: internal error: ${error.message}`),
+      ),
     );
   } catch (error) {
     // e.g. basic.consume refused (an exclusive consumer holds the queue): nothing may keep running.

@@ -5,6 +5,7 @@ import { publishOptionsOf, type SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import type { ClaimState, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
+import { FatalConnectError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
@@ -60,6 +61,9 @@ type Failure = 'unroutable' | 'nacked' | 'no-id';
 
 /** Thrown inside work that a stop abandoned when its time ran out. */
 class Abandoned extends Error {}
+
+// An ACL refusal, of the call itself or of a command inside a script.
+const REDIS_NO_PERMISSION = /NOPERM|can't run this command/;
 
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
@@ -572,6 +576,12 @@ export class Pipeline {
         if (attempt > 1) this.log.info({ what }, 'Redis answers again');
         return result;
       } catch (error) {
+        // The Redis user lacks a command the bridge needs: retrying cannot fix that.
+        if (REDIS_NO_PERMISSION.test(describe(error))) {
+          throw new FatalConnectError(
+            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that README's Least privilege section lists`,
+          );
+        }
         if (attempt === 1) {
           this.log.warn(
             { what, error: describe(error) },

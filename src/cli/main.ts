@@ -3,11 +3,17 @@ import { access, constants } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
 import { startRoutes, superviseRoutes } from '../bridge/routes.js';
+import { sourceTtlWarnings } from '../bridge/source-ttl.js';
 import { loadConfigRoutes } from '../config/file.js';
-import { type MigrateRawOptions, resolveMigrateSettings } from '../config/migrate-settings.js';
+import {
+  checkManagementUrl,
+  type MigrateRawOptions,
+  resolveMigrateSettings,
+} from '../config/migrate-settings.js';
+import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
-import { BridgeError, ConfigError, ExitCode } from '../errors.js';
+import { BridgeError, ConfigError, ExitCode, FatalConnectError } from '../errors.js';
 import { formatJobReport } from '../migrate/report.js';
 import { runMigration, writeReport } from '../migrate/runner.js';
 import { createLogger, type Logger } from '../observe/log.js';
@@ -72,17 +78,24 @@ function buildProgram(): Command {
   return program;
 }
 
-type RunRawOptions = RawOptions & { faultCrashAfterConfirm?: boolean; strict?: boolean; config?: string };
+type RunRawOptions = RawOptions & {
+  faultCrashAfterConfirm?: boolean;
+  strict?: boolean;
+  config?: string;
+  sourceManagement?: string;
+};
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
   // One route from the flags, or every route of a config file (flags override a single route).
   const routes = raw.config ? loadConfigRoutes(raw.config, raw, 'run') : [resolveBridgeSettings(raw, 'run')];
   const first = routes[0] as BridgeSettings;
+  const management = raw.sourceManagement ? checkManagementUrl(raw.sourceManagement) : undefined;
   const metricsEndpoint = resolveMetricsEndpoint(raw);
   const log = createLogger(first.logLevel, process.stdout.isTTY === true);
   // Listening first: a taken port fails at once, and /healthz answers while the servers are sought.
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   try {
+    warnOrRefuse(await sourceTtlWarnings(routes, management, log), raw.strict === true, log);
     return await forwardUntilStopped(raw, routes, log, observer);
   } finally {
     await observer?.close();
@@ -116,6 +129,8 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   let result: Awaited<ReturnType<typeof runMigration>>;
   try {
+    const ttlWarnings = await sourceTtlWarnings(settings.routes, settings.sourceManagementUrl, log);
+    warnOrRefuse(ttlWarnings, raw.strict === true, log);
     await checkRedis(first, raw.strict === true, log);
     const signal = onStopSignal();
     result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true, observer);
@@ -132,12 +147,22 @@ async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Pr
 async function checkRedis(settings: BridgeSettings, strict: boolean, log: Logger): Promise<void> {
   const redis = await connectRedis(settings.redisUrl, settings.retryForMs, log, settings.tls.redis);
   try {
-    for (const warning of await redisSafetyWarnings(redis)) {
-      if (strict) throw new ConfigError(`--strict: ${warning}`);
-      log.warn(warning);
-    }
+    warnOrRefuse(await redisSafetyWarnings(redis), strict, log);
+  } catch (error) {
+    if (!/^NOPERM/.test((error as Error).message)) throw error;
+    throw new FatalConnectError(
+      `${describeRedis(parseRedisUrl(settings.redisUrl))}: the user may not run INFO, which the start-up checks need; grant it +info (see README, Least privilege)`,
+    );
   } finally {
     redis.disconnect();
+  }
+}
+
+/** A start-up check's findings: logged as warnings, or with --strict the first one refuses to start. */
+function warnOrRefuse(warnings: string[], strict: boolean, log: Logger): void {
+  for (const warning of warnings) {
+    if (strict) throw new ConfigError(`--strict: ${warning}`);
+    log.warn(warning);
   }
 }
 

@@ -75,7 +75,6 @@ export function addMigrateOptions(command: Command): Command {
       '--declare-target',
       'create missing target queues like their source queues (needs --source-management)',
     )
-    .option('--source-management <url>', 'source management API, http://user:password@host:15672')
     .option('--dry-run', 'count what would be forwarded or skipped; move, ack and claim nothing')
     .option(
       '--progress-interval <duration>',
@@ -142,7 +141,16 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
         'DEDUP_BRIDGE_LOG_LEVEL',
       ),
     )
-    .option('--strict', 'refuse to start on a Redis that keeps nothing on disk or may evict keys')
+    .addOption(
+      new Option(
+        '--source-management <url>',
+        'source management API, http://user:password@host:15672 (queue TTL check; migrate --declare-target)',
+      ).env('DEDUP_BRIDGE_SOURCE_MANAGEMENT'),
+    )
+    .option(
+      '--strict',
+      'refuse to start on a Redis that keeps nothing on disk or may evict keys, or a source queue whose messages can outlive --dedup-window',
+    )
     .addOption(
       new Option('--metrics-port <port>', 'serve /metrics, /healthz and /readyz on this port').env(
         'DEDUP_BRIDGE_METRICS_PORT',

@@ -175,19 +175,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
       '--declare-target: needs --source-management <url> (the source broker management API, e.g. http://user:password@host:15672)',
     );
   }
-  if (raw.sourceManagement) {
-    let url: URL | undefined;
-    try {
-      url = new URL(raw.sourceManagement);
-    } catch {
-      url = undefined;
-    }
-    if (!url || !['http:', 'https:'].includes(url.protocol)) {
-      throw new ConfigError(
-        '--source-management: must be an http(s) URL, e.g. http://user:password@host:15672',
-      );
-    }
-  }
+  if (raw.sourceManagement) checkManagementUrl(raw.sourceManagement);
 
   const first = routes[0] as BridgeSettings;
   return {
@@ -213,6 +201,22 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     ),
     quiet: raw.quiet === true,
   };
+}
+
+/** Validates --source-management (run and migrate): an http(s) URL. */
+export function checkManagementUrl(value: string): string {
+  let url: URL | undefined;
+  try {
+    url = new URL(value);
+  } catch {
+    url = undefined;
+  }
+  if (!url || !['http:', 'https:'].includes(url.protocol)) {
+    throw new ConfigError(
+      '--source-management: must be an http(s) URL, e.g. http://user:password@host:15672',
+    );
+  }
+  return value;
 }
 
 /** A job is its brokers and routes: the same migration started again gets the same name (and lock). */

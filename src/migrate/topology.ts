@@ -10,9 +10,11 @@ export interface QueueShape {
   durable: boolean;
   type: string;
   arguments: Record<string, unknown>;
+  /** What the policies that apply to it set (the broker merges a policy and an operator policy). */
+  policy: Record<string, unknown>;
 }
 
-/** Reads a queue's durability, type and arguments from the source broker's management API. */
+/** Reads a queue's durability, type, arguments and policy from the source broker's management API. */
 export async function readQueueShape(
   managementUrl: string,
   sourceUrl: string,
@@ -37,8 +39,10 @@ export async function readQueueShape(
     );
   }
   if (response.status === 401) {
+    // A user without a management tag is refused like a wrong password; the body says which.
+    const reason = ((await response.json().catch(() => ({}))) as { reason?: unknown }).reason;
     throw new FatalConnectError(
-      `--source-management: login refused by ${redactUrl(managementUrl)}; check the user and password`,
+      `--source-management: login refused by ${redactUrl(managementUrl)}${typeof reason === 'string' ? ` (${reason})` : ''}; check the user and password, and that the user has the management tag`,
     );
   }
   if (response.status === 404) {
@@ -55,8 +59,19 @@ export async function readQueueShape(
     durable?: boolean;
     type?: string;
     arguments?: Record<string, unknown>;
+    effective_policy_definition?: unknown;
   };
-  return { durable: body.durable !== false, type: body.type ?? 'classic', arguments: body.arguments ?? {} };
+  // Without a policy the API sends an empty list here, not an object.
+  const policy = body.effective_policy_definition;
+  return {
+    durable: body.durable !== false,
+    type: body.type ?? 'classic',
+    arguments: body.arguments ?? {},
+    policy:
+      policy && typeof policy === 'object' && !Array.isArray(policy)
+        ? (policy as Record<string, unknown>)
+        : {},
+  };
 }
 
 /**
@@ -99,6 +114,11 @@ export async function declareTargetQueues(
         if (replyCodeOf(error) === 406) {
           throw new ConfigError(
             `--declare-target: target queue "${queue}" exists with other settings than source queue "${route.sourceQueue}" (${(error as Error).message.split(' - ').pop()}); align or delete it`,
+          );
+        }
+        if (replyCodeOf(error) === 403) {
+          throw new FatalConnectError(
+            `--declare-target: creating target queue "${queue}" refused for user "${route.targetUser}"; grant it configure permission on the queue, or declare the queue beforehand`,
           );
         }
         throw error;

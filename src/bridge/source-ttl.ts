@@ -1,0 +1,82 @@
+import { formatDuration, parseDuration } from '../config/duration.js';
+import { type BridgeSettings, DEFAULTS } from '../config/settings.js';
+import { UnavailableError } from '../errors.js';
+import { type QueueShape, readQueueShape } from '../migrate/topology.js';
+import type { Logger } from '../observe/log.js';
+
+/** How long a message may stay in a queue, and what says so. */
+export interface MessageTtl {
+  ms: number;
+  from: string;
+}
+
+function millis(value: unknown): number | undefined {
+  const ms = typeof value === 'string' ? Number(value) : value;
+  return typeof ms === 'number' && Number.isFinite(ms) && ms >= 0 ? ms : undefined;
+}
+
+/**
+ * The queue's message TTL: its x-message-ttl argument or its policy's message-ttl, the lower when
+ * both are set (as RabbitMQ applies them); undefined when messages may stay forever.
+ */
+export function messageTtlOf(shape: QueueShape): MessageTtl | undefined {
+  const candidates: MessageTtl[] = [];
+  const argument = millis(shape.arguments['x-message-ttl']);
+  if (argument !== undefined) candidates.push({ ms: argument, from: 'x-message-ttl' });
+  const policy = millis(shape.policy['message-ttl']);
+  if (policy !== undefined) candidates.push({ ms: policy, from: 'policy message-ttl' });
+  return candidates.sort((a, b) => a.ms - b.ms)[0];
+}
+
+/**
+ * A copy of a message still in the source after its ID left the cache is forwarded again. That
+ * can happen when the queue keeps messages longer than the dedup window, or keeps them forever and
+ * the window was shortened below its default.
+ */
+export function windowWarning(
+  queue: string,
+  ttl: MessageTtl | undefined,
+  windowMs: number,
+): string | undefined {
+  const window = formatDuration(windowMs);
+  if (ttl !== undefined && ttl.ms > windowMs) {
+    return `source queue "${queue}" keeps messages up to ${formatDuration(ttl.ms)} (${ttl.from}), longer than --dedup-window ${window}: a copy delivered after its ID expired is forwarded again; raise --dedup-window to at least ${formatDuration(ttl.ms)}`;
+  }
+  const defaultMs = parseDuration(DEFAULTS.dedupWindow, '--dedup-window');
+  if (ttl === undefined && windowMs < defaultMs) {
+    return `source queue "${queue}" has no message TTL (messages may stay forever) and --dedup-window ${window} is shorter than the default ${DEFAULTS.dedupWindow}: a copy delivered after its ID expired is forwarded again; raise --dedup-window, or give the queue a message-ttl no longer than the window`;
+  }
+  return undefined;
+}
+
+/**
+ * Compares each route's source queue TTL with its dedup window, through the source management
+ * API. Without one the check is skipped, said once at info level. A management API that does not
+ * answer gives a warning; a refused login or a missing queue is an error.
+ */
+export async function sourceTtlWarnings(
+  routes: readonly BridgeSettings[],
+  managementUrl: string | undefined,
+  log: Logger,
+): Promise<string[]> {
+  if (!managementUrl) {
+    log.info('source queue TTL not compared with --dedup-window: give --source-management to check it');
+    return [];
+  }
+  const warnings: string[] = [];
+  for (const route of routes) {
+    try {
+      const shape = await readQueueShape(managementUrl, route.sourceUrl, route.sourceQueue);
+      const ttl = messageTtlOf(shape);
+      log.debug({ queue: route.sourceQueue, messageTtlMs: ttl?.ms ?? null }, 'source queue TTL read');
+      const warning = windowWarning(route.sourceQueue, ttl, route.dedupWindowMs);
+      if (warning) warnings.push(warning);
+    } catch (error) {
+      if (!(error instanceof UnavailableError)) throw error;
+      // The other queues would wait for the same API: one warning for all.
+      warnings.push(`source queue TTL not compared with --dedup-window: ${error.message}`);
+      break;
+    }
+  }
+  return warnings;
+}
