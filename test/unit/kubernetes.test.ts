@@ -1,5 +1,7 @@
 import { spawnSync } from 'node:child_process';
-import { readdirSync, readFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { parseAllDocuments } from 'yaml';
 import { CLI } from '../helpers.js';
@@ -189,5 +191,19 @@ describe('the Kubernetes manifests in docs/kubernetes', () => {
         expect(parseAllDocuments(text).flatMap((document) => document.errors)).toEqual([]);
       }
     }
+  });
+});
+
+describe('the ConfigMap’s files', () => {
+  const byKind = (kind: string) => readManifests().filter((item) => item.kind === kind);
+  it('bridge.yaml is a config file that `config check` accepts', () => {
+    const data = (byKind('ConfigMap')[0] as Manifest).data ?? {};
+    const dir = mkdtempSync(join(tmpdir(), 'k8s-config-'));
+    const file = join(dir, 'bridge.yaml');
+    writeFileSync(file, data['bridge.yaml'] ?? '');
+    const check = spawnSync(process.execPath, [CLI, 'config', 'check', file], { encoding: 'utf8' });
+    expect(check.stderr).toBe('');
+    expect(check.status).toBe(0);
+    expect(check.stdout).toContain('name: orders');
   });
 });
