@@ -6,7 +6,7 @@ import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { parseDuration } from './duration.js';
 import { redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
-import { resolveTlsSettings, type TlsSettings } from './tls.js';
+import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
 /** The defaults, documented in README's CLI reference; change both together. */
 export const DEFAULTS = {
@@ -29,7 +29,7 @@ export const DEFAULTS = {
 };
 
 /** The options as the CLI collects them (flags, then environment), all optional strings. */
-export interface RawOptions {
+export interface RawOptions extends TlsRawOptions {
   source?: string;
   sourceQueue?: string;
   target?: string;
@@ -55,15 +55,6 @@ export interface RawOptions {
   report?: string;
   metricsPort?: string;
   metricsHost?: string;
-  sourceCa?: string;
-  sourceCert?: string;
-  sourceKey?: string;
-  targetCa?: string;
-  targetCert?: string;
-  targetKey?: string;
-  redisCa?: string;
-  redisCert?: string;
-  redisKey?: string;
 }
 
 export interface BridgeSettings {

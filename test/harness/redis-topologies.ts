@@ -2,7 +2,7 @@ import { execFile } from 'node:child_process';
 import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { cleanLeftovers, freePort, newRunDir } from './servers.js';
+import { cleanLeftovers, freePort, isAlive, newRunDir } from './servers.js';
 
 const exec = promisify(execFile);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -22,15 +22,6 @@ async function until(what: string, check: () => Promise<boolean>, timeoutMs: num
     await sleep(100);
   }
   throw new Error(`harness: ${what} did not happen within ${timeoutMs / 1000}s`);
-}
-
-function isAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch {
-    return false;
-  }
 }
 
 /**

@@ -57,6 +57,28 @@ async function twoNodes(sourceUrl: string, targetUrl: string) {
   return proxies as [FaultProxy, FaultProxy, FaultProxy, FaultProxy];
 }
 
+/**
+ * `run` with each side's URL list naming two proxies to the same node (a two-node cluster as the
+ * bridge sees it), node 1 of the target slowed so that a cut lands while messages are in flight.
+ */
+async function runOverTwoNodes() {
+  const pair = await queuePair();
+  const nodes = await twoNodes(pair.sourceUrl, pair.targetUrl);
+  const [source1, source2, target1, target2] = nodes;
+  target1.setDelay(10);
+  const args = runArgs(
+    pair.source,
+    ['--target-queue', pair.target],
+    '--prefetch',
+    '100',
+    '--metrics-port',
+    '0',
+  );
+  args[args.indexOf('--source') + 1] = `${source1.urlFor(pair.sourceUrl)},${source2.urlFor(pair.sourceUrl)}`;
+  args[args.indexOf('--target') + 1] = `${target1.urlFor(pair.targetUrl)},${target2.urlFor(pair.targetUrl)}`;
+  return { ...pair, nodes, bridge: startCli(args) };
+}
+
 /** Two queue pairs and a config file that routes each source to its own target. */
 async function twoRouteConfig() {
   const { redisUrl } = servers();
@@ -213,14 +235,8 @@ describe('several URLs per broker (cluster failover)', () => {
   });
 
   it('carries on through the second URL when the first node goes away: exactly once', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const [source1, source2, target1, target2] = await twoNodes(sourceUrl, targetUrl);
-    // Slow node 1 of the target, so that the source cut lands while messages flow.
-    target1.setDelay(10);
-    const args = runArgs(source, ['--target-queue', target], '--prefetch', '100', '--metrics-port', '0');
-    args[args.indexOf('--source') + 1] = `${source1.urlFor(sourceUrl)},${source2.urlFor(sourceUrl)}`;
-    args[args.indexOf('--target') + 1] = `${target1.urlFor(targetUrl)},${target2.urlFor(targetUrl)}`;
-    const bridge = startCli(args);
+    const { sourceUrl, targetUrl, source, target, bridge, nodes } = await runOverTwoNodes();
+    const [source1, source2, target1, target2] = nodes;
     try {
       const during = batch('once', 0, 1500);
       await publishAll(sourceUrl, source, during);
@@ -262,14 +278,8 @@ describe('several URLs per broker (cluster failover)', () => {
   });
 
   it('a node cut while publishes are in flight: nothing lost, the copies sent again are flagged in-doubt', async () => {
-    const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const [source1, source2, target1, target2] = await twoNodes(sourceUrl, targetUrl);
-    // Slow node 1 of the target, so that the cut lands while batches are in flight.
-    target1.setDelay(10);
-    const args = runArgs(source, ['--target-queue', target], '--prefetch', '100', '--metrics-port', '0');
-    args[args.indexOf('--source') + 1] = `${source1.urlFor(sourceUrl)},${source2.urlFor(sourceUrl)}`;
-    args[args.indexOf('--target') + 1] = `${target1.urlFor(targetUrl)},${target2.urlFor(targetUrl)}`;
-    const bridge = startCli(args);
+    const { sourceUrl, targetUrl, source, target, bridge, nodes } = await runOverTwoNodes();
+    const [source1, source2, target1, target2] = nodes;
     try {
       const before = batch('cut', 0, 300);
       await publishAll(sourceUrl, source, before);

@@ -23,19 +23,18 @@ local reply = {}
 for i, key in ipairs(KEYS) do
   local field, h = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
   local value = redis.call('GET', key)
-  if find_committed(base, slices, field, h) then
+  local owner = value and string.match(value, '^c:([^:]*):')
+  if owner then
+    -- A claim and a committed record never coexist, so there is nothing to look up.
+    writer.add(field, h)
+    if owner == token then reply[i] = 1 else reply[i] = 3 end
+    redis.call('DEL', key)
+  elseif find_committed(base, slices, field, h) then
     reply[i] = 2
   else
     writer.add(field, h)
-    if not value then
-      reply[i] = 4
-    elseif string.match(value, '^c:([^:]*):') == token then
-      reply[i] = 1
-    else
-      reply[i] = 3
-    end
+    reply[i] = 4
   end
-  if value then redis.call('DEL', key) end
 end
 writer.finish(expired)
 return reply
