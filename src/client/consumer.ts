@@ -64,6 +64,9 @@ export async function createIdempotentConsumer(
     windowMs: options.windowMs ?? 7 * 86_400_000,
     prefix,
     scope,
+    // One slot for the scope, so that a handler's transaction can share it on a Redis Cluster:
+    // its own keys carry the hash tag {<scope>}.
+    shards: 1,
   });
   const counts = { processed: 0, duplicates: 0, failures: 0, withoutId: 0 };
   const attempts = new Map<string, number>();

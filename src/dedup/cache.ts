@@ -1,6 +1,7 @@
 import { createHash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { ChainableCommander } from 'ioredis';
+import { formatDuration } from '../config/duration.js';
 import { ConfigError } from '../errors.js';
 import type { RedisClient } from './redis.js';
 
@@ -44,11 +45,12 @@ export interface CacheLayout {
 /** Slot shards of a new scope on a Redis Cluster: enough to spread a busy scope over the masters. */
 export const CLUSTER_SHARDS = 16;
 const MIN_SLICE_MS = 60_000;
-const MAX_SLICE_MS = 86_400_000;
+/** Slices a lookup may walk: a window this many times its scope's slice length is refused. */
+export const MAX_SLICES_PER_WINDOW = 16;
 
-/** A quarter of the window, within [1 min, 1 day]: IDs are kept up to one slice past the window. */
+/** A quarter of the window, at least 1 min: IDs are kept up to one slice past the window. */
 export function sliceLengthFor(windowMs: number): number {
-  return Math.min(MAX_SLICE_MS, Math.max(MIN_SLICE_MS, Math.round(windowMs / 4)));
+  return Math.max(MIN_SLICE_MS, Math.round(windowMs / 4));
 }
 
 function layoutKey(prefix: string, scope: string): string {
@@ -107,6 +109,11 @@ function digestArgs(keys: readonly string[]): (Buffer | number)[] {
     args.push(digest.field, digest.bucket);
   }
   return args;
+}
+
+/** The key count and keys of a script that reads committed IDs: the shard's meta hash first. */
+function withMeta(base: string, keys: readonly string[]): [number, ...string[]] {
+  return [keys.length + 1, `${base}:m`, ...keys];
 }
 
 export interface DedupCacheOptions {
@@ -174,11 +181,25 @@ export class DedupCache {
     };
     await redis.set(key, formatLayout(wanted), 'NX');
     const stored = await redis.get(key);
-    const layout = stored === null ? wanted : parseLayout(stored, key);
+    let layout = stored === null ? wanted : parseLayout(stored, key);
     if (typeof options.shards === 'number' && options.shards !== layout.shards) {
       throw new ConfigError(
         `--cache-shards: scope "${options.scope}" is stored over ${layout.shards} shard(s); keep that number (with another, the IDs it remembers would not be found)`,
       );
+    }
+    // The first writer's window set the slice length; a much longer window would make every
+    // lookup walk many slices. Nothing committed yet: take a slice length that suits this window.
+    if (options.windowMs > layout.sliceMs * MAX_SLICES_PER_WINDOW) {
+      const metas = Array.from({ length: layout.shards }, (_, shard) =>
+        redis.exists(`${baseOf(options.prefix, options.scope, shard, layout.shards)}:m`),
+      );
+      if ((await Promise.all(metas)).some((found) => found > 0)) {
+        throw new ConfigError(
+          `--dedup-window: scope "${options.scope}" keeps its IDs in slices of ${formatDuration(layout.sliceMs)} (set by the window it was first written with); a window over ${formatDuration(layout.sliceMs * MAX_SLICES_PER_WINDOW)} would make every lookup walk more than ${MAX_SLICES_PER_WINDOW} slices: use a shorter window, or another --scope`,
+        );
+      }
+      layout = { ...layout, sliceMs: wanted.sliceMs };
+      await redis.set(key, formatLayout(layout));
     }
     return new DedupCache(redis, options, layout);
   }
@@ -211,13 +232,11 @@ export class DedupCache {
     const { leaseMs, windowMs } = this.options;
     const codes = await this.perShard(keys, (base, group) =>
       this.scripts.claim(
-        group.length,
-        ...group,
+        ...withMeta(base, group),
         this.token,
         leaseMs,
         windowMs,
         this.layout.sliceMs,
-        base,
         ...digestArgs(group),
       ),
     );
@@ -226,7 +245,7 @@ export class DedupCache {
 
   async commit(keys: readonly string[]): Promise<CommitResult[]> {
     const codes = await this.perShard(keys, (base, group) =>
-      this.scripts.commit(group.length, ...this.commitArgs(base, group)),
+      this.scripts.commit(...this.commitArgs(base, group)),
     );
     return codes.map((code) => COMMIT_RESULTS[code as number] as CommitResult);
   }
@@ -235,7 +254,7 @@ export class DedupCache {
   commitIn(transaction: ChainableCommander, keys: readonly string[]): void {
     const queue = transaction as unknown as Record<string, (...args: Arg[]) => unknown>;
     for (const [base, group] of this.groups(keys)) {
-      queue.dedupBridge_commit?.(group.keys.length, ...this.commitArgs(base, group.keys));
+      queue.dedupBridge_commit?.(...this.commitArgs(base, group.keys));
     }
   }
 
@@ -262,11 +281,9 @@ export class DedupCache {
   async lookup(keys: readonly string[]): Promise<IdRecord[]> {
     const replies = await this.perShard(keys, (base, group) =>
       this.scripts.lookup(
-        group.length,
-        ...group,
+        ...withMeta(base, group),
         this.options.windowMs,
         this.layout.sliceMs,
-        base,
         ...digestArgs(group),
       ),
     );
@@ -279,13 +296,19 @@ export class DedupCache {
   /** Deletes every record of the keys; returns how many had one. */
   async forget(keys: readonly string[]): Promise<number> {
     const codes = await this.perShard(keys, (base, group) =>
-      this.scripts.forget(group.length, ...group, this.layout.sliceMs, base, ...digestArgs(group)),
+      this.scripts.forget(...withMeta(base, group), this.layout.sliceMs, ...digestArgs(group)),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
 
-  private commitArgs(base: string, keys: readonly string[]): Arg[] {
-    return [...keys, this.token, this.options.windowMs, this.layout.sliceMs, base, ...digestArgs(keys)];
+  private commitArgs(base: string, keys: readonly string[]): [number, ...Arg[]] {
+    return [
+      ...withMeta(base, keys),
+      this.token,
+      this.options.windowMs,
+      this.layout.sliceMs,
+      ...digestArgs(keys),
+    ];
   }
 
   private groups(keys: readonly string[]): Map<string, { keys: string[]; at: number[] }> {

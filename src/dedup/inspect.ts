@@ -40,8 +40,7 @@ export async function inspectIds(
       leaseMs: undefined,
     }));
   }
-  const [seconds, micros] = (await redis.time()) as [string | number, string | number];
-  const now = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+  const now = await redisNow(redis);
   const keys = ids.map((id) => cache.keyOf(keyOfValue(id) ?? id));
   const records = await cache.lookup(keys);
   return ids.map((id, index) => {
@@ -81,45 +80,53 @@ export interface ScopeStats {
 export async function scopeStats(redis: RedisClient, prefix: string, scope: string): Promise<ScopeStats> {
   const cache = await openScope(redis, prefix, scope);
   if (!cache) return { committed: 0, claimed: 0, approxBytes: 0 };
+  const now = await redisNow(redis);
+  const usage = async (key: string) => Number((await redis.memory('USAGE', key).catch(() => 0)) ?? 0);
   let committed = 0;
-  let bucketKeys = 0;
-  let claimed = 0;
-  let sampled = 0;
-  let sampleBytes = 0;
-  const sample = async (key: string) => {
-    const bytes = Number(await redis.memory('USAGE', key).catch(() => 0));
-    if (bytes > 0) {
-      sampled++;
-      sampleBytes += bytes;
-    }
-  };
+  let approxBytes = 0;
   for (const base of cache.bases()) {
-    const meta = await redis.hgetall(`${base}:m`);
-    for (const [slice, value] of Object.entries(meta)) {
-      const [, total, list] = value.split(':');
+    for (const [slice, value] of Object.entries(await redis.hgetall(`${base}:m`))) {
+      const [, total, expireAt, list] = value.split(':');
+      // A slice past its expiry is gone (its buckets expired); the next commit drops its entry.
+      if (Number(expireAt) <= now) continue;
       committed += Number(total);
-      const buckets = (list ?? '').split(',').map(Number);
-      bucketKeys += buckets.reduce((sum, count) => sum + count, 0);
-      // A few buckets of the newest generation, which is the fullest.
-      const last = buckets.length - 1;
-      for (let bucket = 0; bucket < Math.min(3, buckets[last] ?? 0); bucket++) {
-        await sample(`${base}:d:${slice}:${last}:${bucket}`);
+      // Each generation from a few of its buckets (a bucket not created yet counts as 0 bytes).
+      for (const [generation, buckets] of (list ?? '').split(',').map(Number).entries()) {
+        const picks = Math.min(3, buckets);
+        let bytes = 0;
+        for (let bucket = 0; bucket < picks; bucket++) {
+          bytes += await usage(`${base}:d:${slice}:${generation}:${bucket}`);
+        }
+        approxBytes += picks > 0 ? (bytes / picks) * buckets : 0;
       }
     }
-    // SCAN walks one server: on a Cluster, every master (only the one owning the slot has any).
-    const pattern = `${base.replace(/[*?[\]\\]/g, '\\$&')}:c:*`;
-    for (const node of masterNodes(redis)) {
-      let cursor = '0';
-      do {
-        const [next, keys] = await node.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
-        cursor = next;
-        claimed += keys.length;
-        for (const key of keys.slice(0, 3)) await sample(key);
-      } while (cursor !== '0');
-    }
   }
-  const keys = bucketKeys + claimed;
-  return { committed, claimed, approxBytes: sampled > 0 ? Math.round((sampleBytes / sampled) * keys) : 0 };
+  // Claims: one SCAN per server (on a Cluster, each master) that matches every shard of the scope.
+  const glob = (text: string) => text.replace(/[*?[\]\\]/g, '\\$&');
+  const tag = cache.layout.shards === 1 ? `{${glob(scope)}}` : `{${glob(scope)} *}`;
+  const pattern = `${glob(prefix)}:${tag}:c:*`;
+  let claimed = 0;
+  let claimBytes = 0;
+  let sampled = 0;
+  for (const node of masterNodes(redis)) {
+    let cursor = '0';
+    do {
+      const [next, keys] = await node.scan(cursor, 'MATCH', pattern, 'COUNT', 1000);
+      cursor = next;
+      claimed += keys.length;
+      for (const key of keys.slice(0, 3)) {
+        claimBytes += Number((await node.memory('USAGE', key).catch(() => 0)) ?? 0);
+        sampled++;
+      }
+    } while (cursor !== '0');
+  }
+  if (sampled > 0) approxBytes += (claimBytes / sampled) * claimed;
+  return { committed, claimed, approxBytes: Math.round(approxBytes) };
+}
+
+async function redisNow(redis: RedisClient): Promise<number> {
+  const [seconds, micros] = (await redis.time()) as [string | number, string | number];
+  return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
 }
 
 /** Deletes the records of the given IDs; returns how many had one. */

@@ -29,8 +29,8 @@ describe('cache tools and start-up safety checks', () => {
 
     const inspect = await runCli(['inspect', '--redis', redisUrl, '--scope', scope, 'alpha', 'nope']);
     expect(inspect.code).toBe(0);
-    // Kept for the 7-day window plus what is left of the 1-day slice it was committed in.
-    expect(inspect.stdout).toMatch(/^alpha\tcommitted · expires in 7d \d+h\n/m);
+    // Kept for the 7-day window plus what is left of the 42-hour slice it was committed in.
+    expect(inspect.stdout).toMatch(/^alpha\tcommitted · expires in [78]d \d+h\n/m);
     expect(inspect.stdout).toMatch(/^nope\tunknown · expires in -$/m);
 
     const stats = await runCli(['cache', 'stats', '--redis', redisUrl, '--scope', scope]);

@@ -119,8 +119,10 @@ describe('the Redis cache scripts (real Redis)', () => {
     const [slice, value] = Object.entries(meta)[0] as [string, string];
     expect(Object.keys(meta)).toHaveLength(1);
     // 80 per bucket: 1 bucket (80 IDs), then 4 (320), then 16 (1,280), then 64 for the other 1,320.
-    const [, total, list] = value.split(':');
+    const [, total, expireAt, list] = value.split(':');
     expect(Number(total)).toBe(3000);
+    // The slice (and so its buckets) lives one window past its end.
+    expect(Number(expireAt)).toBe((Number(slice) + 1) * cache.layout.sliceMs + WINDOW);
     expect(list).toBe('1,4,16,64');
     const encodings = new Set<string>();
     const sizes: number[] = [];
@@ -141,10 +143,51 @@ describe('the Redis cache scripts (real Redis)', () => {
     const cache = await cacheOf(scope, 'sized');
     const sliceMs = cache.layout.sliceMs;
     const current = Math.floor((await nowMs()) / sliceMs);
-    // The previous slice took 8,000 IDs: the new one starts with 100 buckets of 80.
-    await redis.hset(`dedup:{${scope}}:m`, String(current - 1), '0:8000:1,4,16');
+    // The previous slice took 8,000 IDs: the new one starts with room for a quarter more, 125
+    // buckets of 80.
+    const later = (await nowMs()) + 60_000;
+    await redis.hset(`dedup:{${scope}}:m`, String(current - 1), `0:8000:${later}:1,4,16`);
     await cache.commit([cache.keyOf('first-of-the-slice')]);
-    expect(await redis.hget(`dedup:{${scope}}:m`, String(current))).toBe('1:1:100');
+    const expireAt = (current + 1) * sliceMs + WINDOW;
+    expect(await redis.hget(`dedup:{${scope}}:m`, String(current))).toBe(`1:1:${expireAt}:125`);
+  });
+
+  it('a writer with a shorter window leaves the slices a longer window still needs', async () => {
+    const scope = uniqueName('scope');
+    // The first writer's window (4 min) slices the scope by the minute.
+    const long = await DedupCache.open(redis, {
+      token: 'long',
+      leaseMs: 10_000,
+      windowMs: 240_000,
+      prefix: 'dedup',
+      scope,
+    });
+    expect(long.layout.sliceMs).toBe(60_000);
+    const now = await nowMs();
+    const current = Math.floor(now / 60_000);
+    const meta = `dedup:{${scope}}:m`;
+    // Three minutes old: past a 1-minute window, inside the 4-minute one that wrote it.
+    await redis.hset(meta, String(current - 3), `0:5:${now + 60_000}:1`);
+    // Long past every window: its buckets are gone.
+    await redis.hset(meta, String(current - 9), `0:5:${now - 1000}:1`);
+    const short = await cacheOf(scope, 'short');
+    await short.commit([short.keyOf('x')]);
+    expect((await redis.hkeys(meta)).sort()).toEqual([String(current - 3), String(current)].sort());
+  });
+
+  it('refuses a window many slices long on a scope sliced for a shorter one, unless it is empty', async () => {
+    const used = uniqueName('scope');
+    const first = await cacheOf(used, 'first');
+    await first.commit([first.keyOf('x')]);
+    const week = { token: 'week', leaseMs: 10_000, windowMs: 7 * 86_400_000, prefix: 'dedup' };
+    await expect(DedupCache.open(redis, { ...week, scope: used })).rejects.toThrow(
+      /^--dedup-window: scope "[^"]+" keeps its IDs in slices of 1m .* use a shorter window, or another --scope$/,
+    );
+    // Nothing committed yet: the scope takes slices that suit the longer window.
+    const empty = uniqueName('scope');
+    await cacheOf(empty, 'first');
+    const taken = await DedupCache.open(redis, { ...week, scope: empty });
+    expect(taken.layout.sliceMs).toBe((7 * 86_400_000) / 4);
   });
 
   it('forgets committed and claimed IDs on request', async () => {

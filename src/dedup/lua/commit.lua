@@ -1,10 +1,11 @@
 -- commit: record IDs as held by the target, after the target confirmed them.
--- KEYS[1..n]  the claim key of each ID, all in one hash slot: <base>:c:<id>
--- ARGV[1]     owner token of the calling process
--- ARGV[2]     dedup window in ms: how long a committed ID is remembered
--- ARGV[3]     slice length in ms, ARGV[4] the base (<prefix>:{<scope>}) of the committed hashes
--- ARGV[5..]   per key: the 12-byte digest of its ID and a 32-bit number from the same digest
--- Reply: one integer per key
+-- KEYS[1]        the scope shard's meta hash <base>:m (see committed.lua)
+-- KEYS[2..n+1]   the claim key of each ID, in the same hash slot: <base>:c:<id>
+-- ARGV[1]        owner token of the calling process
+-- ARGV[2]        dedup window in ms: how long a committed ID is remembered
+-- ARGV[3]        slice length in ms
+-- ARGV[4..]      per ID: the 12-byte digest of its ID and a 32-bit number from the same digest
+-- Reply: one integer per ID
 --   1 committed   our claim held and is now committed
 --   2 already     it was already committed (a re-sent commit, or another owner finished first)
 --   3 taken       another owner had taken the claim over (ours ran out); the target confirmed our
@@ -13,15 +14,16 @@
 --   4 restored    no record at all (Redis lost it): the target confirmed it, so commit it
 -- The claim is deleted in every case: a committed ID needs no claim.
 local now = now_ms()
+local meta = KEYS[1]
 local token = ARGV[1]
 local window = tonumber(ARGV[2])
 local slice_ms = tonumber(ARGV[3])
-local base = ARGV[4]
-local slices, expired = read_slices(base, slice_ms, window, now)
-local writer = slice_writer(base, slices, slice_ms, window, now)
+local slices, expired = read_slices(meta, slice_ms, window, now)
+local writer = slice_writer(meta, slices, slice_ms, window, now)
 local reply = {}
-for i, key in ipairs(KEYS) do
-  local field, h = ARGV[3 + 2 * i], tonumber(ARGV[4 + 2 * i])
+for i = 1, #KEYS - 1 do
+  local key = KEYS[i + 1]
+  local field, h = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
   local value = redis.call('GET', key)
   local owner = value and string.match(value, '^c:([^:]*):')
   if owner then
@@ -29,7 +31,7 @@ for i, key in ipairs(KEYS) do
     writer.add(field, h)
     if owner == token then reply[i] = 1 else reply[i] = 3 end
     redis.call('DEL', key)
-  elseif find_committed(base, slices, field, h) then
+  elseif find_committed(meta, slices, field, h) then
     reply[i] = 2
   else
     writer.add(field, h)

@@ -1,13 +1,17 @@
 -- committed: shared by the scripts that read or write committed IDs (prepended to them on load).
 -- A scope's committed IDs live in hashes, sliced by commit time and split into buckets, so that
 -- each hash stays small enough for Redis's compact listpack encoding and whole hashes expire:
---   <base>:m                           meta hash; field <slice> = "<n>:<total>:<B0>,<B1>,..."
+--   <base>:m                           meta hash; field <slice> = "<n>:<total>:<expire at>:<B0>,<B1>,..."
 --   <base>:d:<slice>:<gen>:<bucket>    field = 12-byte digest of the ID, value ''
+-- The meta key is each script's KEYS[1], so Redis Cluster routes (and, while a slot moves,
+-- redirects) the call by it; the buckets share its hash tag.
 -- A slice covers slice_ms of commit time (slice = floor(now / slice_ms)). Within a slice the IDs go
--- to generation 0 with B0 buckets (sized from the previous slice's total) until it holds
--- B0 * FILL IDs, then to generation 1 with 4 times as many buckets, and so on; n counts the IDs in
--- the newest generation. An ID's bucket in a generation is h % B (h: another 32 bits of its digest).
--- A bucket and the slice's meta field expire slice_ms + window after the slice began.
+-- to generation 0 with B0 buckets (sized from the previous slice's total, with headroom) until it
+-- holds B0 * FILL IDs, then to generation 1 with 4 times as many buckets, and so on; n counts the
+-- IDs in the newest generation. An ID's bucket in a generation is h % B (h: another 32 bits of its
+-- digest). A slice's buckets and its meta field live until its <expire at>: slice_ms + window after
+-- the slice began, for the longest window any writer of the slice had. A reader counts a slice
+-- while its own window covers it too.
 local FILL = 80
 local GROWTH = 4
 
@@ -16,26 +20,37 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The slices of the meta hash still inside the window, and the names of those outside it.
-local function read_slices(base, slice_ms, window, now)
-  local raw = redis.call('HGETALL', base .. ':m')
+-- The slices this caller's window covers, and the names of those whose expiry has passed.
+local function read_slices(meta, slice_ms, window, now)
+  local raw = redis.call('HGETALL', meta)
   local live, expired = {}, {}
   for i = 1, #raw, 2 do
     local slice = tonumber(raw[i])
-    if (slice + 1) * slice_ms + window > now then
-      local n, total, list = string.match(raw[i + 1], '^(%d+):(%d+):([%d,]+)$')
+    local n, total, expire_at, list = string.match(raw[i + 1], '^(%d+):(%d+):(%d+):([%d,]+)$')
+    expire_at = tonumber(expire_at)
+    if expire_at <= now then
+      expired[#expired + 1] = raw[i]
+    elseif (slice + 1) * slice_ms + window > now then
       local buckets = {}
       for b in string.gmatch(list, '%d+') do buckets[#buckets + 1] = tonumber(b) end
-      live[#live + 1] = { slice = slice, n = tonumber(n), total = tonumber(total), buckets = buckets }
-    else
-      expired[#expired + 1] = raw[i]
+      live[#live + 1] = {
+        slice = slice, n = tonumber(n), total = tonumber(total), expire_at = expire_at, buckets = buckets,
+      }
     end
   end
   return live, expired
 end
 
+-- A number given to redis.call as an argument: Redis 7.2.0-7.2.4 may render a Lua number in
+-- exponent form (1.7e+12), which PEXPIREAT refuses. (Joined with '..', Lua 5.1 prints integers
+-- below 1e14 in full.)
+local function int(x)
+  return string.format('%d', x)
+end
+
 -- The bucket key that holds the digest and its slice, or nil when no live slice has it.
-local function find_committed(base, slices, field, h)
+local function find_committed(meta, slices, field, h)
+  local base = string.sub(meta, 1, -3)
   for _, s in ipairs(slices) do
     for g, b in ipairs(s.buckets) do
       local key = base .. ':d:' .. s.slice .. ':' .. (g - 1) .. ':' .. (h % b)
@@ -47,17 +62,18 @@ end
 
 -- The meta field value of a slice.
 local function format_slice(s)
-  return s.n .. ':' .. s.total .. ':' .. table.concat(s.buckets, ',')
+  return s.n .. ':' .. s.total .. ':' .. s.expire_at .. ':' .. table.concat(s.buckets, ',')
 end
 
 -- Moves a key's expiry to expire_at unless it already lives longer (another writer's window).
 local function extend(key, expire_at, now)
-  if redis.call('PTTL', key) < expire_at - now then redis.call('PEXPIREAT', key, expire_at) end
+  if redis.call('PTTL', key) < expire_at - now then redis.call('PEXPIREAT', key, int(expire_at)) end
 end
 
 -- Opens the current slice for writing (creating it from the previous slice's size), returning a
 -- writer: add(field, h) records one ID, finish() saves the meta and sets the expiries.
-local function slice_writer(base, slices, slice_ms, window, now)
+local function slice_writer(meta, slices, slice_ms, window, now)
+  local base = string.sub(meta, 1, -3)
   local current_slice = math.floor(now / slice_ms)
   local current, previous = nil, nil
   for _, s in ipairs(slices) do
@@ -67,13 +83,15 @@ local function slice_writer(base, slices, slice_ms, window, now)
       previous = s
     end
   end
+  local expire_at = (current_slice + 1) * slice_ms + window
   if current == nil then
+    -- A quarter more than the previous slice took: traffic that grows a little stays in one generation.
     local first = 1
-    if previous then first = math.max(1, math.ceil(previous.total / FILL)) end
-    current = { slice = current_slice, n = 0, total = 0, buckets = { first } }
+    if previous then first = math.max(1, math.ceil(previous.total * 1.25 / FILL)) end
+    current = { slice = current_slice, n = 0, total = 0, expire_at = expire_at, buckets = { first } }
     slices[#slices + 1] = current
   end
-  local expire_at = (current_slice + 1) * slice_ms + window
+  current.expire_at = math.max(current.expire_at, expire_at)
   local touched, changed = {}, false
   local writer = {}
   function writer.add(field, h)
@@ -91,12 +109,11 @@ local function slice_writer(base, slices, slice_ms, window, now)
     changed = true
   end
   function writer.finish(expired)
-    for _, name in ipairs(expired) do redis.call('HDEL', base .. ':m', name) end
+    for _, name in ipairs(expired) do redis.call('HDEL', meta, name) end
     if not changed then return end
-    redis.call('HSET', base .. ':m', current_slice, format_slice(current))
-    extend(base .. ':m', expire_at, now)
-    for key in pairs(touched) do extend(key, expire_at, now) end
+    redis.call('HSET', meta, int(current_slice), format_slice(current))
+    extend(meta, current.expire_at, now)
+    for key in pairs(touched) do extend(key, current.expire_at, now) end
   end
   return writer
 end
-
