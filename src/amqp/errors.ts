@@ -4,17 +4,6 @@ import { FatalConnectError, UnavailableError } from '../errors.js';
 // amqplib reports a refused handshake as a bare Error whose text carries the AMQP reply code, and
 // socket failures as Node errors with a `code`. This is the one place that reads them.
 
-const NETWORK_CODES = new Set([
-  'ECONNREFUSED',
-  'ECONNRESET',
-  'ETIMEDOUT',
-  'EHOSTUNREACH',
-  'ENETUNREACH',
-  'EPIPE',
-  'ENOTFOUND',
-  'EAI_AGAIN',
-]);
-
 /** AMQP reply codes that mean "retrying will not help". */
 const FATAL_REPLY_CODES = new Set([403, 530, 402, 501, 503, 540]);
 
@@ -29,15 +18,6 @@ export function replyCodeOf(error: unknown): number | undefined {
     }
   }
   return undefined;
-}
-
-export function isNetworkError(error: unknown): boolean {
-  const code = (error as { code?: unknown } | undefined)?.code;
-  if (typeof code === 'string' && NETWORK_CODES.has(code)) return true;
-  const message = (error as { message?: unknown } | undefined)?.message;
-  return (
-    typeof message === 'string' && /Socket closed abruptly|Unexpected close|socket hang up/.test(message)
-  );
 }
 
 /**

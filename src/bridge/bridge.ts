@@ -153,9 +153,7 @@ export async function startBridge(
   try {
     await pipeline.start((error) =>
       reportFailure(
-        error instanceof BridgeError
-          ? error
-          : new RuntimeFailure(`route ${settings.route}: internal error: ${error.message}`),
+        error instanceof BridgeError ? error : new RuntimeFailure(`internal error: ${error.message}`),
       ),
     );
   } catch (error) {

@@ -12,17 +12,30 @@ function forRoute(error: unknown, settings: BridgeSettings, routes: number): unk
   return new BridgeError(`route ${settings.route}: ${error.message}`, error.exitCode, { cause: error });
 }
 
-/** Starts one bridge per route; when one cannot start, closes those already started and throws. */
+/**
+ * Starts one bridge per route, telling `onStarted` of each as it starts (it forwards from then on).
+ * When one cannot start, stops those already started (finishing their in-flight messages) and throws.
+ */
 export async function startRoutes(
   routes: BridgeSettings[],
   log: Logger,
   limits: BridgeLimits = {},
+  onStarted: (bridge: Bridge) => void = () => {},
 ): Promise<Bridge[]> {
   const bridges: Bridge[] = [];
   try {
-    for (const settings of routes) bridges.push(await startBridge(settings, log, limits));
+    for (const settings of routes) {
+      const bridge = await startBridge(settings, log, limits);
+      bridges.push(bridge);
+      onStarted(bridge);
+    }
   } catch (error) {
-    await Promise.allSettled(bridges.map((bridge) => bridge.close()));
+    await Promise.allSettled(
+      bridges.map(async (bridge, index) => {
+        await bridge.stop((routes[index] as BridgeSettings).shutdownTimeoutMs);
+        await bridge.close();
+      }),
+    );
     throw forRoute(error, routes[bridges.length] as BridgeSettings, routes.length);
   }
   return bridges;

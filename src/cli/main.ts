@@ -90,6 +90,11 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   const routes = raw.config ? loadConfigRoutes(raw.config, raw, 'run') : [resolveBridgeSettings(raw, 'run')];
   const first = routes[0] as BridgeSettings;
   const management = raw.sourceManagement ? checkManagementUrl(raw.sourceManagement) : undefined;
+  if (management && new Set(routes.map((route) => new URL(route.sourceUrl).host)).size > 1) {
+    throw new ConfigError(
+      '--source-management: the routes read from more than one source broker, and the queue TTL check takes the management API of one; leave it out, or run the routes of each broker in a process of their own',
+    );
+  }
   const metricsEndpoint = resolveMetricsEndpoint(raw);
   const log = createLogger(first.logLevel, process.stdout.isTTY === true);
   // Listening first: a taken port fails at once, and /healthz answers while the servers are sought.
@@ -115,8 +120,7 @@ async function forwardUntilStopped(
   const crash = raw.faultCrashAfterConfirm
     ? { afterConfirm: () => process.kill(process.pid, 'SIGKILL') }
     : {};
-  const bridges = await startRoutes(routes, log, crash);
-  for (const bridge of bridges) observer?.add(bridge);
+  const bridges = await startRoutes(routes, log, crash, (bridge) => observer?.add(bridge));
   return superviseRoutes(bridges, routes, signal.first, log);
 }
 

@@ -100,7 +100,9 @@ const routeSettings = {
   dedupWindow: duration.optional(),
   prefetch: whole(1, 65535).optional(),
   batchSize: whole(1, 5000).optional(),
-  cacheShards: z.union([z.literal('auto'), whole(1, 1024)]).optional(),
+  cacheShards: z
+    .union([z.literal('auto'), whole(1, 1024)], { error: 'must be auto or a whole number from 1 to 1024' })
+    .optional(),
   lease: duration.optional(),
   onUnroutable: unroutablePolicy.optional(),
   parkQueue: name.optional(),
@@ -321,6 +323,12 @@ const ENV_OF: Record<string, string> = {
   source: 'DEDUP_BRIDGE_SOURCE',
   sourceQueue: 'DEDUP_BRIDGE_SOURCE_QUEUE',
   target: 'DEDUP_BRIDGE_TARGET',
+  sourceCa: 'DEDUP_BRIDGE_SOURCE_CA',
+  sourceCert: 'DEDUP_BRIDGE_SOURCE_CERT',
+  sourceKey: 'DEDUP_BRIDGE_SOURCE_KEY',
+  targetCa: 'DEDUP_BRIDGE_TARGET_CA',
+  targetCert: 'DEDUP_BRIDGE_TARGET_CERT',
+  targetKey: 'DEDUP_BRIDGE_TARGET_KEY',
 };
 
 function flagOf(option: string): string {

@@ -4,7 +4,13 @@ import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { parseDuration } from './duration.js';
-import { type BridgeSettings, DEFAULTS, type RawOptions, resolveBridgeSettings } from './settings.js';
+import {
+  type BridgeSettings,
+  DEFAULTS,
+  decodable,
+  type RawOptions,
+  resolveBridgeSettings,
+} from './settings.js';
 
 /** What `migrate` collects: the bridge options, with repeatable queues and the job's own options. */
 export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
@@ -214,6 +220,11 @@ export function checkManagementUrl(value: string): string {
   if (!url || !['http:', 'https:'].includes(url.protocol)) {
     throw new ConfigError(
       '--source-management: must be an http(s) URL, e.g. http://user:password@host:15672',
+    );
+  }
+  if (!decodable(url.username, url.password)) {
+    throw new ConfigError(
+      '--source-management: the user or password has a % that is not percent-encoding; write a literal % as %25',
     );
   }
   return value;

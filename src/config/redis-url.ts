@@ -66,6 +66,14 @@ export function parseRedisUrl(url: string): RedisTopology {
     );
   }
   if (parsed.hostname === '') throw new RedisUrlError(`${shown} has no host; use ${REDIS_URL_EXAMPLES}`);
+  try {
+    decodeURIComponent(parsed.username);
+    decodeURIComponent(parsed.password);
+  } catch {
+    throw new RedisUrlError(
+      `${shown} has a % that is not percent-encoding in its user or password; write a literal % as %25`,
+    );
+  }
   return { kind: 'standalone', url };
 }
 

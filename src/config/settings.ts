@@ -132,8 +132,23 @@ function urlWith(protocols: string[], example: string) {
       });
     } else if (parsed.hostname === '') {
       ctx.addIssue({ code: 'custom', message: `"${redactUrl(value)}" has no host; use ${example}` });
+    } else if (!decodable(parsed.username, parsed.password, parsed.pathname)) {
+      ctx.addIssue({
+        code: 'custom',
+        message: `"${redactUrl(value)}" has a % that is not percent-encoding in its user, password or path; write a literal % as %25`,
+      });
     }
   });
+}
+
+/** Whether each part is valid percent-encoding (decodeURIComponent throws on "%zz"). */
+export function decodable(...parts: string[]): boolean {
+  try {
+    for (const part of parts) decodeURIComponent(part);
+    return true;
+  } catch {
+    return false;
+  }
 }
 
 export const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');

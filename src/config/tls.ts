@@ -113,6 +113,11 @@ export function checkTlsFiles(side: TlsSide, url: string, files: TlsFiles): TlsF
   if (!isTlsUrl(url)) {
     const scheme = TLS_SCHEME[side];
     const plain = url.split(':')[0];
+    if (plain === 'redis-sentinel' || plain === 'redis-cluster') {
+      throw new ConfigError(
+        `${flag(side, first)}: TLS is available for a single Redis server only (rediss://), not for ${plain}://; leave the TLS options out`,
+      );
+    }
     throw new ConfigError(
       `${flag(side, first)}: needs ${URL_FLAG[side]} to be ${scheme}://, not ${plain}://; use ${scheme}:// (with TLS options the bridge never connects plain)`,
     );

@@ -25,7 +25,3 @@ export function createLogger(level: LogLevel, readable = false): Logger {
     },
   });
 }
-
-export function silentLogger(): Logger {
-  return pino({ level: 'silent' });
-}

@@ -45,6 +45,26 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expectOneLine(result, 2, /--redis .*scheme http; use redis or rediss/);
   });
 
+  it('a % that is not percent-encoding in a URL exits 2 with one line, not a stack trace', async () => {
+    const cases: [Record<string, string>, RegExp][] = [
+      [{ '--source': `amqp://guest:${SECRET}%zz@host/vhost` }, /--source .*not percent-encoding/],
+      [{ '--source': `amqp://guest:${SECRET}@host/%zz` }, /--source .*not percent-encoding/],
+      [{ '--redis': `redis://:${SECRET}%zz@host:6379` }, /--redis .*not percent-encoding/],
+      [
+        { '--source-management': `http://guest:${SECRET}%zz@host:15672` },
+        /--source-management: .*not percent-encoding/,
+      ],
+    ];
+    for (const [overrides, pattern] of cases) expectOneLine(await runCli(args(overrides)), 2, pattern);
+  });
+
+  it('TLS options with a Redis Sentinel or Cluster URL say TLS is for a single server', async () => {
+    const result = await runCli(
+      args({ '--redis': 'redis-sentinel://127.0.0.1:26379/main', '--redis-ca': 'ca.pem' }),
+    );
+    expectOneLine(result, 2, /^dedup-bridge: --redis-ca: TLS is available for a single Redis server only/);
+  });
+
   it('wrong credentials exit 2 and say the login was refused', async () => {
     const { source, target } = await queuePair();
     const result = await runCli(

@@ -167,6 +167,26 @@ describe('run --config', () => {
     );
   });
 
+  it('refuses --source-management when the routes read from two source brokers', async () => {
+    const { redisUrl, sourceUrl, targetUrl, sourceManagementUrl } = servers();
+    const other = new URL(sourceUrl);
+    other.hostname = 'localhost';
+    const path = writeConfig({
+      brokers: { a: { url: sourceUrl }, b: { url: other.toString() }, t: { url: targetUrl } },
+      redis: { url: redisUrl },
+      routes: [
+        { name: 'from-a', source: { broker: 'a', queue: 'qa' }, target: { broker: 't', queue: 'x' } },
+        { name: 'from-b', source: { broker: 'b', queue: 'qb' }, target: { broker: 't', queue: 'y' } },
+      ],
+    });
+    const result = await runCli(['run', '--config', path, '--source-management', sourceManagementUrl]);
+    expect(result.code).toBe(2);
+    expect(result.stderr).toMatch(
+      /^dedup-bridge: --source-management: the routes read from more than one source broker/,
+    );
+    expect(result.stderr.trim().split('\n')).toHaveLength(1);
+  });
+
   it('config check prints the effective config with passwords masked (exit 0), or the path of an error (exit 2)', async () => {
     const secret = 'Sup3r-s3cret-pw';
     const good = writeConfig({
