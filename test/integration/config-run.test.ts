@@ -279,6 +279,10 @@ describe('several URLs per broker (cluster failover)', () => {
       const after = batch('once', 1500, 2000);
       await publishAll(sourceUrl, source, after);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 2000)).toBe(true);
+      // Every copy dealt with (acked as forwarded or as a duplicate) before the stop.
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0 && (await idle()))).toBe(
+        true,
+      );
       expect([source2.connections, target2.connections]).toEqual([1, 1]);
       bridge.signal('SIGTERM');
       expect((await bridge.done).code).toBe(0);
