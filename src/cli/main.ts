@@ -2,6 +2,7 @@ import { readFileSync } from 'node:fs';
 import { access, constants } from 'node:fs/promises';
 import { dirname, resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
+import type { Bridge } from '../bridge/bridge.js';
 import { startRoutes, superviseRoutes } from '../bridge/routes.js';
 import { sourceTtlWarnings } from '../bridge/source-ttl.js';
 import { loadConfigRoutes } from '../config/file.js';
@@ -120,8 +121,30 @@ async function forwardUntilStopped(
   const crash = raw.faultCrashAfterConfirm
     ? { afterConfirm: () => process.kill(process.pid, 'SIGKILL') }
     : {};
-  const bridges = await startRoutes(routes, log, crash, (bridge) => observer?.add(bridge));
-  return superviseRoutes(bridges, routes, signal.first, log);
+  const started: Bridge[] = [];
+  const starting = startRoutes(routes, log, crash, (bridge) => {
+    started.push(bridge);
+    observer?.add(bridge);
+  });
+  // A stop signal while routes are still starting (a broker not reachable yet): the routes already
+  // forwarding finish their in-flight messages; the one still connecting holds no message yet, and
+  // exiting ends its retries.
+  const early = await Promise.race([
+    starting.then(() => 'started' as const),
+    signal.first.then(() => 'signal' as const),
+  ]);
+  if (early === 'signal') {
+    starting.catch(() => {});
+    log.info({ running: started.length, routes: routes.length }, 'stopping while starting');
+    await Promise.allSettled(
+      started.map(async (bridge) => {
+        await bridge.stop(first.shutdownTimeoutMs);
+        await bridge.close();
+      }),
+    );
+    return ExitCode.ok;
+  }
+  return superviseRoutes(await starting, routes, signal.first, log);
 }
 
 async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Promise<number> {

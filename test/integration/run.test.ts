@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { FaultProxy } from '../harness/proxy.js';
+import { freePort } from '../harness/servers.js';
 import {
   countDelivery,
   depthOf,
@@ -88,6 +89,21 @@ describe('dedup-bridge run', () => {
     expect((await bridge.done).code).toBe(0);
     expect(await depthOf(sourceUrl, source)).toBe(0);
     expect(await depthOf(targetUrl, target)).toBe(20);
+  });
+
+  it('a stop signal while the source is still unreachable ends the run at once, exit 0', async () => {
+    const { source, target } = await queuePair();
+    const closed = `amqp://guest:guest@127.0.0.1:${await freePort()}`;
+    const args = runArgs(source, ['--target-queue', target]);
+    args[args.indexOf('--source') + 1] = closed;
+    const bridge = startCli(args);
+    expect(await waitFor(() => bridge.output().includes('not reachable; retrying'))).toBe(true);
+    // One signal is enough: before, the run kept retrying (forever, by default) until a second one.
+    bridge.signal('SIGTERM');
+    const result = await bridge.done;
+    expect(result.code).toBe(0);
+    expect(result.stderr).toBe('');
+    expect(result.stdout).toContain('"msg":"stopping while starting"');
   });
 
   it('a second signal exits at once with 130, and nothing unconfirmed is acked', async () => {
