@@ -172,9 +172,10 @@ describe('migrate: the scheduled job', () => {
     expect(run.code).toBe(0);
     expect(run.report).toMatchObject({ forwarded: 600 });
     // 600 messages at 300/s (bursts of a tenth of a second): about two seconds of forwarding, and
-    // neither queue's share above the cap.
+    // neither queue's share above the cap. A queue's 300 messages can take one burst (30) plus
+    // 300/s, so no less than 0.9 s: at most 333/s measured over the queue's own span.
     for (const row of (run.report as { queues: { ratePerSecond: number }[] }).queues) {
-      expect(row.ratePerSecond).toBeLessThanOrEqual(330);
+      expect(row.ratePerSecond).toBeLessThanOrEqual(340);
     }
     expect(Number(run.report?.seconds)).toBeGreaterThanOrEqual(1.8);
   });
