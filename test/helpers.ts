@@ -263,6 +263,13 @@ export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs
 }
 
 /** `dedup-bridge run` between the harness's brokers. */
+/** The same command line with one option's value replaced (a proxy's URL, a closed port…). */
+export function withOption(args: readonly string[], flag: string, value: string): string[] {
+  const at = args.indexOf(flag);
+  if (at < 0) throw new Error(`no ${flag} in the command line`);
+  return [...args.slice(0, at + 1), value, ...args.slice(at + 2)];
+}
+
 export function runArgs(sourceQueue: string, target: string[], ...extra: string[]): string[] {
   return [
     'run',

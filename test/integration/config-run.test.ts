@@ -19,6 +19,7 @@ import {
   startCli,
   takeAll,
   waitFor,
+  withOption,
 } from '../helpers.js';
 
 const folder = mkdtempSync(join(tmpdir(), 'dedup-config-run-'));
@@ -74,9 +75,13 @@ async function runOverTwoNodes() {
     '--metrics-port',
     '0',
   );
-  args[args.indexOf('--source') + 1] = `${source1.urlFor(pair.sourceUrl)},${source2.urlFor(pair.sourceUrl)}`;
-  args[args.indexOf('--target') + 1] = `${target1.urlFor(pair.targetUrl)},${target2.urlFor(pair.targetUrl)}`;
-  return { ...pair, nodes, bridge: startCli(args) };
+  const sources = `${source1.urlFor(pair.sourceUrl)},${source2.urlFor(pair.sourceUrl)}`;
+  const targets = `${target1.urlFor(pair.targetUrl)},${target2.urlFor(pair.targetUrl)}`;
+  return {
+    ...pair,
+    nodes,
+    bridge: startCli(withOption(withOption(args, '--source', sources), '--target', targets)),
+  };
 }
 
 /** Two queue pairs and a config file that routes each source to its own target. */
@@ -234,9 +239,7 @@ describe('several URLs per broker (cluster failover)', () => {
     const args = runArgs(source, ['--target-queue', target]);
     const sourceList = `${await closedPortUrl(sourceUrl)},${sourceUrl}`;
     const targetList = `${await closedPortUrl(targetUrl)},${targetUrl}`;
-    args[args.indexOf('--source') + 1] = sourceList;
-    args[args.indexOf('--target') + 1] = targetList;
-    const bridge = startCli(args);
+    const bridge = startCli(withOption(withOption(args, '--source', sourceList), '--target', targetList));
     const messages = batch('down-first', 0, 300);
     await publishAll(sourceUrl, source, messages);
     expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);

@@ -17,6 +17,7 @@ import {
   startCli,
   takeAll,
   waitFor,
+  withOption,
 } from '../helpers.js';
 
 async function get(url: string): Promise<{ status: number; body: string }> {
@@ -30,9 +31,7 @@ describe('metrics and health (--metrics-port)', () => {
     const proxy = FaultProxy.forUrl(targetUrl);
     await proxy.start();
     const bridge = startCli([
-      ...runArgs(source, ['--target-queue', target]).map((arg) =>
-        arg === targetUrl ? proxy.urlFor(arg) : arg,
-      ),
+      ...withOption(runArgs(source, ['--target-queue', target]), '--target', proxy.urlFor(targetUrl)),
       '--metrics-port',
       '0',
       '--prefetch',

@@ -8,11 +8,11 @@ import {
   publishAll,
   queuePair,
   runArgs,
-  servers,
   startCli,
   takeAll,
   uniqueName,
   waitFor,
+  withOption,
 } from '../helpers.js';
 
 function batch(from: number, to: number, prefix = 'id') {
@@ -94,9 +94,7 @@ describe('dedup-bridge run', () => {
   it('a stop signal while the source is still unreachable ends the run at once, exit 0', async () => {
     const { source, target } = await queuePair();
     const closed = `amqp://guest:guest@127.0.0.1:${await freePort()}`;
-    const args = runArgs(source, ['--target-queue', target]);
-    args[args.indexOf('--source') + 1] = closed;
-    const bridge = startCli(args);
+    const bridge = startCli(withOption(runArgs(source, ['--target-queue', target]), '--source', closed));
     expect(await waitFor(() => bridge.output().includes('not reachable; retrying'))).toBe(true);
     // One signal is enough: before, the run kept retrying (forever, by default) until a second one.
     bridge.signal('SIGTERM');
@@ -108,26 +106,17 @@ describe('dedup-bridge run', () => {
 
   it('a second signal exits at once with 130, and nothing unconfirmed is acked', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const { redisUrl } = servers();
     // The target answers nothing through a blackholed proxy: publishes wait for confirms forever.
     const proxy = FaultProxy.forUrl(targetUrl);
     await proxy.start();
     try {
-      const bridge = startCli([
-        'run',
-        '--source',
-        sourceUrl,
-        '--source-queue',
-        source,
-        '--target',
-        proxy.urlFor(targetUrl),
-        '--target-queue',
-        target,
-        '--redis',
-        redisUrl,
-        '--shutdown-timeout',
-        '60s',
-      ]);
+      const bridge = startCli(
+        withOption(
+          runArgs(source, ['--target-queue', target], '--shutdown-timeout', '60s'),
+          '--target',
+          proxy.urlFor(targetUrl),
+        ),
+      );
       expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'))).toBe(true);
       proxy.setMode('blackhole');
       await publishAll(sourceUrl, source, batch(0, 5));
