@@ -11,7 +11,6 @@ import { cleanLeftovers, newRunDir, RabbitNode, RedisServer } from '../test/harn
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const CLI = `${ROOT}bin/dedup-bridge.js`;
-const TSX = `${ROOT}node_modules/.bin/tsx`;
 
 const args = process.argv.slice(2);
 const option = (name: string, fallback: string) => {
@@ -52,8 +51,10 @@ let failures = 0;
 async function main(): Promise<void> {
   cleanLeftovers();
   const runDir = newRunDir();
-  const source = new RabbitNode(runDir, 'bench-source', { plugins: ['rabbitmq_shovel'] });
-  const target = new RabbitNode(runDir, 'bench-target');
+  // --broker-erl-args '+sbwt none …': extra Erlang VM flags for both brokers (default: none, as the harness).
+  const erlangArgs = option('--broker-erl-args', '') || undefined;
+  const source = new RabbitNode(runDir, 'bench-source', { plugins: ['rabbitmq_shovel'], erlangArgs });
+  const target = new RabbitNode(runDir, 'bench-target', { erlangArgs });
   const redisServer = new RedisServer(runDir, 'bench-redis');
   say('bench: starting two RabbitMQ nodes and Redis…');
   await Promise.all([source.start(), target.start(), redisServer.start()]);
@@ -74,15 +75,18 @@ async function main(): Promise<void> {
       }
     }
 
-    say('\nbench: figures');
-    const figures = {
-      redisCommandsPerMessage: await redisCommandsPerMessage(source, target, redisServer, redis),
-      redisBytesPerId: await redisBytesPerId(redis),
-      peakRssMiB: await peakRss(source, target, redisServer),
-      latency: await latency(source, target, redisServer),
-      loopLatency: await latency(source, target, redisServer, 'amqplib loop'),
-      fullCache: await fullCacheThroughput(source, target, redisServer, redis),
-    };
+    const roundsCpu = structuredClone(cpuPerThousand);
+    // --rounds-only: the throughput rounds without the figures (for quick comparisons while tuning).
+    const figures = args.includes('--rounds-only')
+      ? undefined
+      : {
+          redisCommandsPerMessage: await redisCommandsPerMessage(source, target, redisServer, redis),
+          redisBytesPerId: await redisBytesPerId(redis),
+          peakRssMiB: await peakRss(source, target, redisServer),
+          latency: await latency(source, target, redisServer),
+          loopLatency: await latency(source, target, redisServer, 'amqplib loop'),
+          fullCache: await fullCacheThroughput(source, target, redisServer, redis),
+        };
 
     const table = Object.entries(results).map(([profile, bySystem]) => {
       const bridge = median(bySystem['dedup-bridge']);
@@ -107,25 +111,44 @@ async function main(): Promise<void> {
         `| ${row.profile} | ${Math.round(row.bridge)} | ${Math.round(row.loop)} | ${Math.round(row.shovel)} | ${row.bridgeOverShovel.toFixed(2)}× | ${row.bridgeOverLoop.toFixed(2)}× |`,
       );
     }
-    say(
-      `Redis commands per forwarded message: ${figures.redisCommandsPerMessage.sent.toFixed(4)} sent by the bridge ` +
-        `(script calls), ${figures.redisCommandsPerMessage.executed.toFixed(2)} executed by Redis (inside the scripts)`,
-    );
-    say(`Redis memory per committed ID: ${figures.redisBytesPerId.toFixed(1)} B (over ${MEMORY_IDS} IDs)`);
-    say(`bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch)`);
-    say(
-      `latency at 1,000 msg/s: p50 ${figures.latency.p50.toFixed(1)} ms, p99 ${figures.latency.p99.toFixed(1)} ms ` +
-        `(amqplib loop: p50 ${figures.loopLatency.p50.toFixed(1)} ms, p99 ${figures.loopLatency.p99.toFixed(1)} ms)`,
-    );
-    say(
-      `throughput with ${CACHE_IDS} IDs in the cache: ${Math.round(figures.fullCache.full)} msg/s vs ${Math.round(figures.fullCache.empty)} empty (${(
-        (1 - figures.fullCache.full / figures.fullCache.empty) * 100
-      ).toFixed(1)}% cost)`,
-    );
+    say('\nCPU ms per 1,000 messages over the transfer (medians; Shovel runs inside the source broker)');
+    say('| run | mover | source broker | target broker | Redis | all |');
+    say('|---|---|---|---|---|---|');
+    const cpuTable = Object.entries(roundsCpu).map(([run, rounds]) => {
+      const row = Object.fromEntries(
+        (['mover', 'source broker', 'target broker', 'Redis'] as const).map((name) => [
+          name,
+          median(rounds.map((round) => round[name])),
+        ]),
+      ) as CpuUse;
+      return { run, ...row, all: row.mover + row['source broker'] + row['target broker'] + row.Redis };
+    });
+    for (const row of cpuTable) {
+      say(
+        `| ${row.run} | ${row.mover.toFixed(0)} | ${row['source broker'].toFixed(0)} | ${row['target broker'].toFixed(0)} | ${row.Redis.toFixed(0)} | ${row.all.toFixed(0)} |`,
+      );
+    }
+    if (figures) {
+      say(
+        `Redis commands per forwarded message: ${figures.redisCommandsPerMessage.sent.toFixed(4)} sent by the bridge ` +
+          `(script calls), ${figures.redisCommandsPerMessage.executed.toFixed(2)} executed by Redis (inside the scripts)`,
+      );
+      say(`Redis memory per committed ID: ${figures.redisBytesPerId.toFixed(1)} B (over ${MEMORY_IDS} IDs)`);
+      say(`bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch)`);
+      say(
+        `latency at 1,000 msg/s: p50 ${figures.latency.p50.toFixed(1)} ms, p99 ${figures.latency.p99.toFixed(1)} ms ` +
+          `(amqplib loop: p50 ${figures.loopLatency.p50.toFixed(1)} ms, p99 ${figures.loopLatency.p99.toFixed(1)} ms)`,
+      );
+      say(
+        `throughput with ${CACHE_IDS} IDs in the cache: ${Math.round(figures.fullCache.full)} msg/s vs ${Math.round(figures.fullCache.empty)} empty (${(
+          (1 - figures.fullCache.full / figures.fullCache.empty) * 100
+        ).toFixed(1)}% cost)`,
+      );
+    }
     if (JSON_PATH) {
       writeFileSync(
         JSON_PATH,
-        `${JSON.stringify({ date: new Date().toISOString(), messages: MESSAGES, rounds: ROUNDS, table, raw: results, figures }, null, 2)}\n`,
+        `${JSON.stringify({ date: new Date().toISOString(), messages: MESSAGES, rounds: ROUNDS, table, raw: results, cpu: cpuTable, figures }, null, 2)}\n`,
       );
     }
   } finally {
@@ -192,22 +215,50 @@ async function depth(url: string, queue: string): Promise<number> {
   }
 }
 
-/** Waits until the target holds `expected` messages; returns ms from the first to the last. */
+/** CPU time (user + system) a process has used so far, in ms; 0 once it has gone. */
+function cpuMs(pid: number | undefined): number {
+  if (!pid) return 0;
+  try {
+    // Fields after the command name: state is 3rd, utime 14th, stime 15th (clock ticks, 100 Hz).
+    const fields = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1]?.split(' ') ?? [];
+    return (Number(fields[11]) + Number(fields[12])) * 10;
+  } catch {
+    return 0;
+  }
+}
+
+type CpuUse = Record<'mover' | 'source broker' | 'target broker' | 'Redis', number>;
+
+/**
+ * Waits until the target holds `expected` messages; returns ms from the first to the last, and
+ * the CPU ms each process used over that span.
+ */
 async function timeArrivals(
   url: string,
   queue: string,
   expected: number,
   timeoutMs: number,
-): Promise<number> {
+  pids: Record<keyof CpuUse, number | undefined>,
+): Promise<{ ms: number; cpu: CpuUse }> {
   const connection = await amqp.connect(url);
   const channel = await connection.createChannel();
   const deadline = Date.now() + timeoutMs;
   let first: number | undefined;
+  const names = Object.keys(pids) as (keyof CpuUse)[];
+  const sample = () => Object.fromEntries(names.map((name) => [name, cpuMs(pids[name])])) as CpuUse;
+  let start = sample();
   try {
     for (;;) {
       const { messageCount } = await channel.checkQueue(queue);
-      if (messageCount > 0) first ??= Date.now();
-      if (messageCount >= expected) return Date.now() - (first ?? Date.now());
+      if (messageCount > 0 && first === undefined) {
+        first = Date.now();
+        start = sample();
+      }
+      if (messageCount >= expected) {
+        const end = sample();
+        const cpu = Object.fromEntries(names.map((name) => [name, end[name] - start[name]])) as CpuUse;
+        return { ms: Date.now() - (first ?? Date.now()), cpu };
+      }
       if (Date.now() > deadline) throw new Error(`timed out with ${messageCount}/${expected} on the target`);
       await sleep(20);
     }
@@ -299,8 +350,10 @@ function startMover(
   }
   if (system === 'amqplib loop') {
     return spawn(
-      TSX,
+      process.execPath,
       [
+        '--import',
+        'tsx',
         `${ROOT}bench/loop.ts`,
         sourceUrl,
         queue.sourceQueue,
@@ -343,6 +396,9 @@ async function stopMover(mover: ChildProcess | string, sourceNode: RabbitNode): 
   }
 }
 
+/** CPU ms per 1,000 messages by process, for each round of `<profile> · <system>`. */
+const cpuPerThousand: Record<string, CpuUse[]> = {};
+
 /** One round: preload, move, time the arrivals, verify; returns source messages per second. */
 async function measure(
   system: System,
@@ -358,7 +414,17 @@ async function measure(
   const deduplicates = system === 'dedup-bridge';
   const expected = deduplicates ? sent.size : count;
   const mover = startMover(system, source.url, target.url, redis.url, queue, count, source, scope);
-  const ms = await timeArrivals(target.url, queue.targetQueue, expected, 300_000);
+  const { ms, cpu } = await timeArrivals(target.url, queue.targetQueue, expected, 300_000, {
+    mover: typeof mover === 'string' ? undefined : mover.pid,
+    'source broker': source.pid(),
+    'target broker': target.pid(),
+    Redis: redis.pid(),
+  });
+  const key = `${profile.name} · ${system}`;
+  cpuPerThousand[key] ??= [];
+  cpuPerThousand[key].push(
+    Object.fromEntries(Object.entries(cpu).map(([name, used]) => [name, (used / count) * 1000])) as CpuUse,
+  );
   await stopMover(mover, source);
   if ((await depth(source.url, queue.sourceQueue)) !== 0 && system !== 'dedup-bridge') {
     await sleep(500);
@@ -486,8 +552,10 @@ async function latency(
   const bridge =
     system === 'amqplib loop'
       ? spawn(
-          TSX,
+          process.execPath,
           [
+            '--import',
+            'tsx',
             `${ROOT}bench/loop.ts`,
             source.url,
             queue.sourceQueue,

@@ -3,6 +3,7 @@ import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
+import { coalesceWrites } from './coalesce.js';
 import { classifyConnectError, describe, unreachable } from './errors.js';
 
 export interface ConnectOptions {
@@ -52,6 +53,8 @@ export async function connectAmqpAny(
       });
       // amqplib rethrows 'error' events that nobody listens to; the caller attaches its own too.
       connection.on('error', () => {});
+      if (!coalesceWrites(connection))
+        options.log.debug('amqplib internals changed: publishes are not coalesced');
       return { connection, index };
     } catch (error) {
       const fatal = classifyConnectError(error, where, options.side);

@@ -1,4 +1,4 @@
-import { createHash, randomBytes } from 'node:crypto';
+import { hash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { ChainableCommander } from 'ioredis';
 import { formatDuration } from '../config/duration.js';
@@ -89,8 +89,27 @@ interface Digest {
 }
 
 function digestOf(idKey: string): Digest {
-  const sha = createHash('sha1').update(idKey).digest();
+  const sha = hash('sha1', idKey, 'buffer');
   return { field: sha.subarray(0, 12), bucket: sha.readUInt32BE(12), shard: sha.readUInt32BE(16) };
+}
+
+// Digests of recent claim keys: a key is made once per message and then claimed and committed,
+// each needing its digest. Bounded: emptied when full (a miss only costs a hash).
+const recentDigests = new Map<string, Digest>();
+const RECENT_DIGESTS_MAX = 16_384;
+
+function digestOfKey(key: string): Digest {
+  let digest = recentDigests.get(key);
+  if (!digest) {
+    digest = digestOf(splitKey(key).idKey);
+    rememberDigest(key, digest);
+  }
+  return digest;
+}
+
+function rememberDigest(key: string, digest: Digest): void {
+  if (recentDigests.size >= RECENT_DIGESTS_MAX) recentDigests.clear();
+  recentDigests.set(key, digest);
 }
 
 const CLAIM_MARK = ':c:';
@@ -105,7 +124,7 @@ function splitKey(key: string): { base: string; idKey: string } {
 function digestArgs(keys: readonly string[]): (Buffer | number)[] {
   const args: (Buffer | number)[] = [];
   for (const key of keys) {
-    const digest = digestOf(splitKey(key).idKey);
+    const digest = digestOfKey(key);
     args.push(digest.field, digest.bucket);
   }
   return args;
@@ -217,8 +236,11 @@ export class DedupCache {
 
   /** The claim key of an ID (its key form from dedup/id); it also names the ID to the other methods. */
   keyOf(idKey: string): string {
-    const shard = digestOf(idKey).shard % this.layout.shards;
-    return `${baseOf(this.options.prefix, this.options.scope, shard, this.layout.shards)}${CLAIM_MARK}${idKey}`;
+    const digest = digestOf(idKey);
+    const shard = digest.shard % this.layout.shards;
+    const key = `${baseOf(this.options.prefix, this.options.scope, shard, this.layout.shards)}${CLAIM_MARK}${idKey}`;
+    rememberDigest(key, digest);
+    return key;
   }
 
   /** Every slot shard's base, for tools that walk the whole scope. */
