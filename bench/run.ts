@@ -51,10 +51,8 @@ let failures = 0;
 async function main(): Promise<void> {
   cleanLeftovers();
   const runDir = newRunDir();
-  // --broker-erl-args '+sbwt none …': extra Erlang VM flags for both brokers (default: none, as the harness).
-  const erlangArgs = option('--broker-erl-args', '') || undefined;
-  const source = new RabbitNode(runDir, 'bench-source', { plugins: ['rabbitmq_shovel'], erlangArgs });
-  const target = new RabbitNode(runDir, 'bench-target', { erlangArgs });
+  const source = new RabbitNode(runDir, 'bench-source', { plugins: ['rabbitmq_shovel'] });
+  const target = new RabbitNode(runDir, 'bench-target');
   const redisServer = new RedisServer(runDir, 'bench-redis');
   say('bench: starting two RabbitMQ nodes and Redis…');
   await Promise.all([source.start(), target.start(), redisServer.start()]);

@@ -123,16 +123,31 @@ export class TargetPublisher {
 
   /**
    * Publishes with `mandatory` and resolves with what the target said. The `_HQ_DUPL_ID` header
-   * must be set: a return is matched to its publish by it.
+   * must be set: a return is matched to its publish by it. `options` is taken over (and changed).
    */
-  async publish(
+  publish(
     exchange: string,
     routingKey: string,
     content: Buffer,
     options: Options.Publish,
   ): Promise<PublishOutcome> {
-    const channel = await this.ready();
-    if (!channel) return 'lost';
+    // The usual case, connected and not held back, without waiting a turn for ready().
+    const channel = this.channel;
+    if (channel && !this.blocked && !this.drained && !this.closed) {
+      return this.publishOn(channel, exchange, routingKey, content, options);
+    }
+    return this.ready().then((ready) =>
+      ready ? this.publishOn(ready, exchange, routingKey, content, options) : 'lost',
+    );
+  }
+
+  private publishOn(
+    channel: ConfirmChannel,
+    exchange: string,
+    routingKey: string,
+    content: Buffer,
+    options: Options.Publish,
+  ): Promise<PublishOutcome> {
     const closed = this.closedFlags.get(channel) as ChannelEnd;
     // The same function reads the header of a returned message, so the keys always agree.
     const matchKey = keyOfValue(options.headers?.[DUPLICATE_ID_HEADER]) ?? '';
@@ -144,21 +159,16 @@ export class TargetPublisher {
         resolve(outcome);
       };
       try {
-        const ok = channel.publish(
-          exchange,
-          routingKey,
-          content,
-          { ...options, mandatory: true },
-          (error) => {
-            if (!error) {
-              settle(pending.returned ? 'returned' : 'confirmed');
-              return;
-            }
-            // amqplib calls back with an error both for a nack and for a closed channel; the close
-            // listeners run synchronously, so by the next microtask we know which one it was.
-            queueMicrotask(() => settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked'));
-          },
-        );
+        options.mandatory = true;
+        const ok = channel.publish(exchange, routingKey, content, options, (error) => {
+          if (!error) {
+            settle(pending.returned ? 'returned' : 'confirmed');
+            return;
+          }
+          // amqplib calls back with an error both for a nack and for a closed channel; the close
+          // listeners run synchronously, so by the next microtask we know which one it was.
+          queueMicrotask(() => settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked'));
+        });
         if (!ok && !this.drained) this.waitForDrain(channel);
       } catch (error) {
         // amqplib refuses headers that do not fit its encoding buffer: the target cannot take it.

@@ -329,14 +329,7 @@ export class Pipeline {
     if (toPublish.length === 0) return;
     if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
-    const outcomes = await Promise.all(
-      toPublish.map(async (entry) => {
-        const started = performance.now();
-        const outcome = await this.publishUntilAnswered(entry);
-        if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
-        return outcome;
-      }),
-    );
+    const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
     const confirmed: Entry[] = [];
     const refused: [Entry, Failure][] = [];
     const lost: Entry[] = [];
@@ -396,12 +389,27 @@ export class Pipeline {
    * Publishes until the target answers. A publish lost with its connection may or may not be on
    * the target: it is sent again, flagged in-doubt, once the target is back.
    */
-  private async publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
+  private publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
+    const started = performance.now();
+    const first = entry.suspect > 0 ? this.alone(() => this.publish(entry)) : this.publish(entry);
+    const timed = (outcome: PublishOutcome) => {
+      if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
+      return outcome;
+    };
+    return first.then((outcome) =>
+      outcome === 'lost' || outcome === 'killed'
+        ? this.publishAgain(entry, outcome).then(timed)
+        : timed(outcome),
+    );
+  }
+
+  /** The rest of publishUntilAnswered, after a first publish was lost or its channel killed. */
+  private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
+    let outcome: PublishOutcome | undefined = firstOutcome;
     for (;;) {
       // A message that was in flight when the broker closed the channel goes again alone, so that
       // a message the broker refuses that way (over its max_message_size, say) shows itself.
-      const outcome =
-        entry.suspect > 0 ? await this.alone(() => this.publish(entry)) : await this.publish(entry);
+      outcome ??= entry.suspect > 0 ? await this.alone(() => this.publish(entry)) : await this.publish(entry);
       if (outcome === 'killed' && !this.abandoned) {
         entry.suspect++;
         if (entry.suspect >= 2) {
@@ -417,6 +425,7 @@ export class Pipeline {
         entry.state = 'in-doubt';
         this.counters.resentInDoubt++;
       }
+      outcome = undefined;
     }
   }
 

@@ -42,15 +42,13 @@ function human(ms: number | undefined): string {
     [60_000, 'm'],
     [1000, 's'],
   ];
-  const parts: string[] = [];
-  let left = ms;
-  for (const [size, unit] of units) {
-    if (left >= size && parts.length < 2) {
-      parts.push(`${Math.floor(left / size)}${unit}`);
-      left %= size;
-    }
-  }
-  return parts.length > 0 ? parts.join(' ') : `${ms}ms`;
+  // The largest unit and the one below it, zero included: "8d 0h", never "8d 51m".
+  const first = units.findIndex(([size]) => ms >= size);
+  if (first < 0) return `${ms}ms`;
+  const [size, unit] = units[first] as [number, string];
+  const next = units[first + 1];
+  const head = `${Math.floor(ms / size)}${unit}`;
+  return next ? `${head} ${Math.floor((ms % size) / next[0])}${next[1]}` : head;
 }
 
 /** `inspect` and `cache stats|forget`: look at and correct the dedup cache by hand. */

@@ -136,8 +136,6 @@ export interface RabbitNodeOptions {
   management?: boolean;
   /** Extra rabbitmq.conf lines. */
   config?: string[];
-  /** Extra Erlang VM flags (SERVER_ADDITIONAL_ERL_ARGS in rabbitmq-env.conf). */
-  erlangArgs?: string;
 }
 
 /** A throwaway RabbitMQ node on free loopback ports, in its own folder. */
@@ -216,11 +214,7 @@ export class RabbitNode {
         [`listeners.tcp.default = ${this.port}`, 'loopback_users = none', ...extra, ''].join('\n'),
       );
       writeFileSync(join(this.dir, 'advanced.config'), '[].\n');
-      const erlangArgs = this.options.erlangArgs;
-      writeFileSync(
-        join(this.dir, 'rabbitmq-env.conf'),
-        erlangArgs ? `SERVER_ADDITIONAL_ERL_ARGS="${erlangArgs}"\n` : '',
-      );
+      writeFileSync(join(this.dir, 'rabbitmq-env.conf'), '');
       if (this.user) chownTree(this.dir, this.user.uid, this.user.gid);
     }
     await run(this.bin('rabbitmq-server'), ['-detached'], this.spawnOptions(), 30_000, 'exit');

@@ -24,13 +24,13 @@ local reply = {}
 for i = 1, #KEYS - 1 do
   local key = KEYS[i + 1]
   local field, h = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
-  local value = redis.call('GET', key)
+  -- Read and delete in one: the claim goes in every case.
+  local value = redis.call('GETDEL', key)
   local owner = value and string.match(value, '^c:([^:]*):')
   if owner then
     -- A claim and a committed record never coexist, so there is nothing to look up.
     writer.add(field, h)
     if owner == token then reply[i] = 1 else reply[i] = 3 end
-    redis.call('DEL', key)
   elseif find_committed(meta, slices, field, h) then
     reply[i] = 2
   else

@@ -14,6 +14,9 @@
 -- while its own window covers it too.
 local FILL = 80
 local GROWTH = 4
+-- A scope's first slice has no size to go by: start it at 16 buckets (1,280 IDs) rather than one,
+-- which saves a fresh scope (a migration's first run) two generations, so two lookups per new ID.
+local FIRST_BUCKETS = 16
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -86,7 +89,7 @@ local function slice_writer(meta, slices, slice_ms, window, now)
   local expire_at = (current_slice + 1) * slice_ms + window
   if current == nil then
     -- A quarter more than the previous slice took: traffic that grows a little stays in one generation.
-    local first = 1
+    local first = FIRST_BUCKETS
     if previous then first = math.max(1, math.ceil(previous.total * 1.25 / FILL)) end
     current = { slice = current_slice, n = 0, total = 0, expire_at = expire_at, buckets = { first } }
     slices[#slices + 1] = current
