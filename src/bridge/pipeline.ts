@@ -100,6 +100,8 @@ export class Pipeline {
   private readonly retryCounts = new Map<string, number>();
   private renewTimer: NodeJS.Timeout | undefined;
   private renewing = false;
+  /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
+  private redisFailing = false;
   private suspects: Promise<void> = Promise.resolve();
   private stopping = false;
   /** Set when a stop ran out of time: publishes still waiting for the target give up. */
@@ -582,7 +584,10 @@ export class Pipeline {
       if (this.abandoned) throw new Abandoned();
       try {
         const result = await call();
-        if (attempt > 1) this.log.info({ what }, 'Redis answers again');
+        if (this.redisFailing) {
+          this.redisFailing = false;
+          this.log.info({ what }, 'Redis answers again');
+        }
         return result;
       } catch (error) {
         // The Redis user lacks a command the bridge needs: retrying cannot fix that.
@@ -591,10 +596,12 @@ export class Pipeline {
             `Redis refused the ${what} call (${describe(error)}); give the user the ACL that README's Least privilege section lists`,
           );
         }
-        if (attempt === 1) {
+        // One line per outage, not one per batch in flight.
+        if (!this.redisFailing) {
+          this.redisFailing = true;
           this.log.warn(
             { what, error: describe(error) },
-            'Redis call failed; holding the batch unacked and retrying',
+            'Redis call failed; holding the messages unacked and retrying',
           );
         }
         await sleep(backoffDelay(attempt, 100, 5000));

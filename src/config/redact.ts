@@ -6,19 +6,23 @@ export function redactUrl(url: string): string {
       parsed.password = '***';
       return parsed.toString();
     }
-    if (url.includes('://')) return url;
-    // Parsed without "//": typed without its scheme, "user:" reads as one. Use the text rule.
+    // No password parsed, yet there may be one: typed without its scheme ("user:" reads as one),
+    // or unencoded so that it reads as a port and a path (amqp://bob:123/x@host). Use the text rule.
   } catch {
     // Not a URL we can parse: use the text rule.
   }
-  // Mask between the first ':' of the user info and the last '@', where URL parsers split.
+  const found = passwordSpan(url);
+  return found ? `${url.slice(0, found.start)}***${url.slice(found.end)}` : url;
+}
+
+/** The text rule: from the first ':' of the user info to the last '@', where URL parsers split. */
+function passwordSpan(url: string): { start: number; end: number } | undefined {
   const schemeEnd = url.indexOf('://');
-  const prefix = schemeEnd >= 0 ? url.slice(0, schemeEnd + 3) : '';
-  const rest = url.slice(prefix.length);
-  const at = rest.lastIndexOf('@');
-  const colon = rest.indexOf(':');
-  if (at < 0 || colon < 0 || colon > at) return url;
-  return `${prefix}${rest.slice(0, colon)}:***${rest.slice(at)}`;
+  const from = schemeEnd >= 0 ? schemeEnd + 3 : 0;
+  const at = url.lastIndexOf('@');
+  const colon = url.indexOf(':', from);
+  if (at < from || colon < 0 || colon > at) return undefined;
+  return { start: colon + 1, end: at };
 }
 
 /** Removes every occurrence of the given secrets from a text (for errors that echo a URL). */
@@ -32,9 +36,13 @@ export function redactSecrets(text: string, secrets: readonly string[]): string 
 
 /** The password of a URL, decoded, or '' — used to scrub it from third-party error texts. */
 export function passwordOf(url: string): string {
+  let parsed = '';
   try {
-    return decodeURIComponent(new URL(url).password);
+    parsed = decodeURIComponent(new URL(url).password);
   } catch {
-    return '';
+    // fall back to the text rule
   }
+  if (parsed) return parsed;
+  const found = passwordSpan(url);
+  return found ? url.slice(found.start, found.end) : '';
 }

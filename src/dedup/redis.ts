@@ -76,19 +76,32 @@ export async function connectRedis(
   let connected = false;
   // ioredis reports every failed reconnect attempt; log the first as "lost", the others at debug.
   let down = false;
+  // Credentials refused on a reconnect (a rotated password, a changed ACL): said once, as an error,
+  // and retried, so that fixing Redis's side resumes the bridge without a restart.
+  let refused = false;
   redis.on('error', (error: Error) => {
     lastError = error;
-    if (connected) {
-      log[down ? 'debug' : 'warn'](
-        { error: redactSecrets(describe(error), [secret]) },
-        `${where}: connection error; reconnecting`,
-      );
+    if (!connected) return;
+    if (FATAL_REPLY.test(error.message)) {
+      if (!refused) {
+        log.error(
+          `${where}: ${error.message.split(' ')[0]} on reconnecting — authentication or database refused; check the user, password and database in the URL against Redis (retrying meanwhile; messages wait unacked in the source)`,
+        );
+      }
+      refused = true;
       down = true;
+      return;
     }
+    log[down ? 'debug' : 'warn'](
+      { error: redactSecrets(describe(error), [secret]) },
+      `${where}: connection error; reconnecting`,
+    );
+    down = true;
   });
   redis.on('ready', () => {
     if (connected) log.info(`${where}: connected again`);
     down = false;
+    refused = false;
   });
   const started = Date.now();
   try {

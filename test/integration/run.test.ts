@@ -1,3 +1,4 @@
+import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { FaultProxy } from '../harness/proxy.js';
 import { freePort } from '../harness/servers.js';
@@ -8,6 +9,7 @@ import {
   publishAll,
   queuePair,
   runArgs,
+  servers,
   startCli,
   takeAll,
   uniqueName,
@@ -135,6 +137,59 @@ describe('dedup-bridge run', () => {
       expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 5)).toBe(true);
     } finally {
       await proxy.stop();
+    }
+  });
+
+  it('Redis refusing the password on a reconnect: one error line, messages wait, and they flow once it is fixed', async () => {
+    const { sourceUrl, targetUrl, redisUrl, source, target } = { ...(await queuePair()), ...servers() };
+    const admin = new Redis(redisUrl);
+    const user = uniqueName('redis-user');
+    const password = 'first-Secret-1';
+    await admin.call('ACL', 'SETUSER', user, 'on', `>${password}`, '~*', '&*', '+@all');
+    const url = new URL(redisUrl);
+    url.username = user;
+    url.password = password;
+    const bridge = startCli(
+      withOption(runArgs(source, ['--target-queue', target]), '--redis', url.toString()),
+    );
+    try {
+      await publishAll(sourceUrl, source, batch(0, 100));
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 100)).toBe(true);
+      // The password is rotated in Redis but not in the bridge's URL, and its connection dropped.
+      await admin.call('ACL', 'SETUSER', user, 'resetpass', '>rotated-Secret-2');
+      await admin.call('CLIENT', 'KILL', 'USER', user);
+      await publishAll(sourceUrl, source, batch(100, 200));
+      const said = () => /WRONGPASS on reconnecting/.test(bridge.output());
+      expect(await waitFor(said, 30_000), bridge.output()).toBe(true);
+      // Nothing is forwarded without Redis; the messages wait, unacked, in the source.
+      expect(await depthOf(targetUrl, target)).toBe(100);
+      await admin.call('ACL', 'SETUSER', user, 'resetpass', `>${password}`);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 200, 30_000)).toBe(true);
+      bridge.signal('SIGTERM');
+      const result = await bridge.done;
+      expect(result.code).toBe(0);
+      // One error line that says what to fix, and one line for the calls held meanwhile.
+      const lines = result.stdout.split('\n');
+      const refused = lines.filter((line) => line.includes('"level":"error"'));
+      expect(refused, refused.join('\n')).toHaveLength(1);
+      expect(refused[0]).toMatch(
+        /WRONGPASS on reconnecting — .*check the user, password and database in the URL/,
+      );
+      const held = lines.filter((line) => line.includes('Redis call failed'));
+      expect(held, held.join('\n')).toHaveLength(1);
+      expect(lines.filter((line) => line.includes('Redis answers again'))).toHaveLength(1);
+      expect(result.stdout + result.stderr).not.toContain(password);
+      const count = countDelivery(
+        'Redis password rotated mid-run, then restored',
+        batch(0, 200).map((m) => m.options.headers._HQ_DUPL_ID),
+        (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+      );
+      expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+      expect(await depthOf(sourceUrl, source)).toBe(0);
+    } finally {
+      bridge.signal('SIGKILL');
+      await admin.call('ACL', 'DELUSER', user);
+      admin.disconnect();
     }
   });
 });

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { formatDuration, parseDuration } from '../../src/config/duration.js';
 import { resolveMigrateSettings } from '../../src/config/migrate-settings.js';
-import { redactUrl } from '../../src/config/redact.js';
+import { passwordOf, redactUrl } from '../../src/config/redact.js';
 import { DEFAULTS, type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
 import { ConfigError } from '../../src/errors.js';
 
@@ -118,6 +118,17 @@ describe('redactUrl', () => {
     expect(out).not.toContain(SECRET);
     expect(out).toContain('carol');
     expect(out).toContain('redis.example:6379');
+  });
+
+  it('masks an unencoded password that a URL parser reads as a port and a path', () => {
+    // new URL() reads "bob:123" as host and port and "/x@host" as the path: no password at all.
+    const out = redactUrl('amqp://bob:123/x@broker.example:5672/prod');
+    expect(out).not.toContain('123/x');
+    expect(out).toBe('amqp://bob:***@broker.example:5672/prod');
+    // The same password is what gets scrubbed from error texts that echo the URL.
+    expect(passwordOf('amqp://bob:123/x@broker.example:5672/prod')).toBe('123/x');
+    expect(passwordOf('amqp://bob:s3cret@broker.example/')).toBe('s3cret');
+    expect(passwordOf('amqp://broker.example:5672/')).toBe('');
   });
 
   it('leaves a URL without a password as it is', () => {
