@@ -1,7 +1,7 @@
 // npm run bench: dedup-bridge against a hand-written amqplib loop and RabbitMQ's Shovel, side by
 // side on the same brokers in one run, alternating rounds; figures as ratios, never as pass/fail.
 // Exits non-zero only when a run did not deliver every message exactly once.
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import { readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import amqp from 'amqplib';
@@ -24,6 +24,15 @@ const QUICK = args.includes('--quick');
 const MEMORY_IDS = QUICK ? 20_000 : 200_000;
 const CACHE_IDS = QUICK ? 100_000 : 1_000_000;
 const PREFETCH = 1000;
+const PIN = args.includes('--pin-brokers');
+// --bridge-args '--batch-size 50': extra options for the bridge's throughput rounds (tuning runs).
+const BRIDGE_ARGS = option('--bridge-args', '').split(' ').filter(Boolean);
+
+/** Moves every thread of a process to the given CPUs (children started later inherit it). */
+function pinTo(pid: number, cpus: string): void {
+  const result = spawnSync('taskset', ['-a', '-p', '-c', cpus, String(pid)], { encoding: 'utf8' });
+  if (result.status !== 0) throw new Error(`taskset failed for pid ${pid}: ${result.stderr.trim()}`);
+}
 
 type System = 'dedup-bridge' | 'amqplib loop' | 'Shovel';
 interface Profile {
@@ -56,6 +65,13 @@ async function main(): Promise<void> {
   const redisServer = new RedisServer(runDir, 'bench-redis');
   say('bench: starting two RabbitMQ nodes and Redis…');
   await Promise.all([source.start(), target.start(), redisServer.start()]);
+  if (PIN) {
+    // Brokers on CPU 0, everything else (Redis, the mover, this process) on CPU 1: as if the
+    // brokers ran on a host of their own. Shovel runs inside the source broker, so on CPU 0.
+    for (const pid of [source.pid(), target.pid()]) pinTo(pid, '0');
+    for (const pid of [redisServer.pid(), process.pid]) pinTo(pid, '1');
+    say('bench: --pin-brokers: brokers on CPU 0; Redis, the movers and the bench on CPU 1');
+  }
   const redis = new Redis(redisServer.url);
   try {
     const results: Record<string, Record<System, number[]>> = {};
@@ -339,6 +355,7 @@ function startMover(
         '--log-level',
         'warn',
         ...(scope ? ['--scope', scope] : []),
+        ...BRIDGE_ARGS,
         '--quiet',
         '--job-name',
         `bench-${queue.sourceQueue}`,
