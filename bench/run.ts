@@ -229,15 +229,24 @@ async function depth(url: string, queue: string): Promise<number> {
   }
 }
 
-/** CPU time (user + system) a process has used so far, in ms; 0 once it has gone. */
+const lastCpuMs = new Map<number, number>();
+
+/**
+ * CPU time (user + system) a process has used so far, in ms. Once it has exited, the last value
+ * read (timeArrivals reads every 20 ms, so a mover that exits right after its last message is
+ * counted up to then).
+ */
 function cpuMs(pid: number | undefined): number {
   if (!pid) return 0;
   try {
-    // Fields after the command name: state is 3rd, utime 14th, stime 15th (clock ticks, 100 Hz).
-    const fields = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1]?.split(' ') ?? [];
-    return (Number(fields[11]) + Number(fields[12])) * 10;
+    // After the command name: state is the 3rd field, utime the 14th, stime the 15th (100 Hz ticks).
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    const fields = stat.slice(stat.lastIndexOf(') ') + 2).split(' ');
+    const used = (Number(fields[11]) + Number(fields[12])) * 10;
+    lastCpuMs.set(pid, used);
+    return used;
   } catch {
-    return 0;
+    return lastCpuMs.get(pid) ?? 0;
   }
 }
 
@@ -264,12 +273,13 @@ async function timeArrivals(
   try {
     for (;;) {
       const { messageCount } = await channel.checkQueue(queue);
+      const now = sample();
       if (messageCount > 0 && first === undefined) {
         first = Date.now();
-        start = sample();
+        start = now;
       }
       if (messageCount >= expected) {
-        const end = sample();
+        const end = now;
         const cpu = Object.fromEntries(names.map((name) => [name, end[name] - start[name]])) as CpuUse;
         return { ms: Date.now() - (first ?? Date.now()), cpu };
       }
@@ -377,7 +387,7 @@ function startMover(
         String(PREFETCH),
         String(count),
       ],
-      { stdio: 'ignore' },
+      { stdio: 'ignore', cwd: ROOT },
     );
   }
   const shovel = `bench-shovel-${queue.sourceQueue}`;
@@ -579,7 +589,7 @@ async function latency(
             '500',
             String(total),
           ],
-          { stdio: 'ignore' },
+          { stdio: 'ignore', cwd: ROOT },
         )
       : spawn(process.execPath, bridgeArgs('run', source, target, redisServer, queue), { stdio: 'ignore' });
   await sleep(1500);

@@ -1,27 +1,34 @@
 /** Masks the password in a URL so it can be printed or logged. Never throws. */
 export function redactUrl(url: string): string {
+  let parsed = false;
   try {
-    const parsed = new URL(url);
-    if (parsed.password) {
-      parsed.password = '***';
-      return parsed.toString();
+    const parts = new URL(url);
+    if (parts.password) {
+      parts.password = '***';
+      return parts.toString();
     }
+    parsed = true;
     // No password parsed, yet there may be one: typed without its scheme ("user:" reads as one),
     // or unencoded so that it reads as a port and a path (amqp://bob:123/x@host). Use the text rule.
   } catch {
     // Not a URL we can parse: use the text rule.
   }
-  const found = passwordSpan(url);
+  const found = passwordSpan(url, parsed);
   return found ? `${url.slice(0, found.start)}***${url.slice(found.end)}` : url;
 }
 
-/** The text rule: from the first ':' of the user info to the last '@', where URL parsers split. */
-function passwordSpan(url: string): { start: number; end: number } | undefined {
+/**
+ * The text rule: from the first ':' of the user info to the last '@', where URL parsers split. For
+ * a URL that parsed without a password, only where that span could be user info at all (no IPv6
+ * host, query or fragment in it), so that `amqp://[::1]:5672/x@y` is left as it is.
+ */
+function passwordSpan(url: string, parsed: boolean): { start: number; end: number } | undefined {
   const schemeEnd = url.indexOf('://');
   const from = schemeEnd >= 0 ? schemeEnd + 3 : 0;
   const at = url.lastIndexOf('@');
   const colon = url.indexOf(':', from);
   if (at < from || colon < 0 || colon > at) return undefined;
+  if (parsed && /[[?#]/.test(url.slice(from, at))) return undefined;
   return { start: colon + 1, end: at };
 }
 
@@ -43,6 +50,18 @@ export function passwordOf(url: string): string {
     // fall back to the text rule
   }
   if (parsed) return parsed;
-  const found = passwordSpan(url);
-  return found ? url.slice(found.start, found.end) : '';
+  let parses = true;
+  try {
+    new URL(url);
+  } catch {
+    parses = false;
+  }
+  const found = passwordSpan(url, parses);
+  if (!found) return '';
+  const text = url.slice(found.start, found.end);
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return text;
+  }
 }

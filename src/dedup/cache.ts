@@ -27,6 +27,28 @@ function loadScript(name: ScriptName): string {
   return SCRIPTS[name] ? `${read('committed')}\n${read(name)}` : read(name);
 }
 
+/** The oldest Redis the scripts run on: commit uses GETDEL (6.2). */
+const MIN_REDIS: readonly [number, number] = [6, 2];
+
+/**
+ * Refuses a Redis older than MIN_REDIS before anything is claimed: there, claims would succeed and
+ * every commit fail, so messages would reach the target and never be acked.
+ */
+async function requireRedisVersion(redis: RedisClient): Promise<void> {
+  const problem = redisVersionProblem(await redis.info('server'));
+  if (problem) throw new ConfigError(problem);
+}
+
+/** What is wrong with the Redis that wrote this INFO server text, or undefined when it will do. */
+export function redisVersionProblem(info: string): string | undefined {
+  const version = /^redis_version:(\S+)/m.exec(info)?.[1];
+  if (version === undefined) return undefined; // a proxy that hides it: the scripts will tell
+  const [major = 0, minor = 0] = version.split('.').map(Number);
+  const [needMajor, needMinor] = MIN_REDIS;
+  if (major > needMajor || (major === needMajor && minor >= needMinor)) return undefined;
+  return `Redis ${version} is too old: dedup-bridge needs Redis ${needMajor}.${needMinor} or later (its scripts use GETDEL); upgrade Redis or point --redis at a newer one`;
+}
+
 /** A token that names this process as the owner of its claims; never contains ':'. */
 export function newOwnerToken(): string {
   return randomBytes(9).toString('base64url').replace(/[-_]/g, 'x');
@@ -187,6 +209,7 @@ export class DedupCache {
 
   /** Reads the scope's layout, or records one for a new scope, and returns the cache. */
   static async open(redis: RedisClient, options: DedupCacheOptions): Promise<DedupCache> {
+    await requireRedisVersion(redis);
     const key = layoutKey(options.prefix, options.scope);
     const cluster = (redis as unknown as { isCluster?: boolean }).isCluster === true;
     const wanted: CacheLayout = {

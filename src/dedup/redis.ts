@@ -79,7 +79,7 @@ export async function connectRedis(
   // Credentials refused on a reconnect (a rotated password, a changed ACL): said once, as an error,
   // and retried, so that fixing Redis's side resumes the bridge without a restart.
   let refused = false;
-  redis.on('error', (error: Error) => {
+  const onLaterError = (error: Error) => {
     lastError = error;
     if (!connected) return;
     if (FATAL_REPLY.test(error.message)) {
@@ -97,7 +97,15 @@ export async function connectRedis(
       `${where}: connection error; reconnecting`,
     );
     down = true;
-  });
+  };
+  redis.on('error', onLaterError);
+  // A Cluster reports a node's refusal (e.g. WRONGPASS) on 'node error' only; its other node
+  // errors (a failover) are not an outage of the whole cache.
+  if (redis instanceof Cluster) {
+    redis.on('node error', (error: Error) => {
+      if (FATAL_REPLY.test(error.message)) onLaterError(error);
+    });
+  }
   redis.on('ready', () => {
     if (connected) log.info(`${where}: connected again`);
     down = false;

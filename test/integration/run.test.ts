@@ -159,9 +159,12 @@ describe('dedup-bridge run', () => {
       await admin.call('ACL', 'SETUSER', user, 'resetpass', '>rotated-Secret-2');
       await admin.call('CLIENT', 'KILL', 'USER', user);
       await publishAll(sourceUrl, source, batch(100, 200));
-      const said = () => /WRONGPASS on reconnecting/.test(bridge.output());
+      // The refusal is said, and the bridge has taken the new messages and holds them: a claim
+      // failed, nothing was forwarded without Redis, and they wait unacked in the source.
+      const said = () =>
+        /WRONGPASS on reconnecting/.test(bridge.output()) && /Redis call failed/.test(bridge.output());
       expect(await waitFor(said, 30_000), bridge.output()).toBe(true);
-      // Nothing is forwarded without Redis; the messages wait, unacked, in the source.
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);
       expect(await depthOf(targetUrl, target)).toBe(100);
       await admin.call('ACL', 'SETUSER', user, 'resetpass', `>${password}`);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 200, 30_000)).toBe(true);

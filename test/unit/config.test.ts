@@ -134,6 +134,10 @@ describe('redactUrl', () => {
   it('leaves a URL without a password as it is', () => {
     expect(redactUrl('redis://127.0.0.1:6379')).toBe('redis://127.0.0.1:6379');
     expect(redactUrl('amqp://guest@host/')).toBe('amqp://guest@host/');
+    // An @ after the host, in an IPv6 URL or in a query, is not the end of a password.
+    expect(redactUrl('amqp://[::1]:5672/a@b')).toBe('amqp://[::1]:5672/a@b');
+    expect(redactUrl('redis://h:6379/0?x=a@b')).toBe('redis://h:6379/0?x=a@b');
+    expect(passwordOf('amqp://[::1]:5672/a@b')).toBe('');
   });
 
   it('masks the password in a string that is not a valid URL', () => {
