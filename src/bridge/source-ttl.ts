@@ -50,32 +50,40 @@ export function windowWarning(
 }
 
 /**
- * Compares each route's source queue TTL with its dedup window, through the source management
- * API. Without one the check is skipped, said once at info level. A management API that does not
- * answer gives a warning; a refused login or a missing queue is an error.
+ * Compares each route's source queue TTL with its dedup window, through its source broker's
+ * management API (the route's own from a config file, else `managementUrl`). Routes without one
+ * are skipped, said once at info level. A management API that does not answer gives a warning; a
+ * refused login or a missing queue is an error.
  */
 export async function sourceTtlWarnings(
   routes: readonly BridgeSettings[],
   managementUrl: string | undefined,
   log: Logger,
 ): Promise<string[]> {
-  if (!managementUrl) {
-    log.info('source queue TTL not compared with --dedup-window: give --source-management to check it');
-    return [];
+  const unchecked = routes.filter((route) => !(route.sourceManagementUrl ?? managementUrl));
+  if (unchecked.length > 0) {
+    const which =
+      unchecked.length < routes.length ? ` for ${unchecked.map((route) => route.route).join(', ')}` : '';
+    log.info(
+      `source queue TTL not compared with --dedup-window${which}: give --source-management (or management: for the broker in a config file) to check it`,
+    );
   }
   const warnings: string[] = [];
+  const unreachable = new Set<string>();
   for (const route of routes) {
+    const management = route.sourceManagementUrl ?? managementUrl;
+    if (!management || unreachable.has(management)) continue;
     try {
-      const shape = await readQueueShape(managementUrl, route.sourceUrl, route.sourceQueue);
+      const shape = await readQueueShape(management, route.sourceUrl, route.sourceQueue);
       const ttl = messageTtlOf(shape);
       log.debug({ queue: route.sourceQueue, messageTtlMs: ttl?.ms ?? null }, 'source queue TTL read');
       const warning = windowWarning(route.sourceQueue, ttl, route.dedupWindowMs);
       if (warning) warnings.push(warning);
     } catch (error) {
       if (!(error instanceof UnavailableError)) throw error;
-      // The other queues would wait for the same API: one warning for all.
+      // The other queues would wait for the same API: one warning for all of them.
+      unreachable.add(management);
       warnings.push(`source queue TTL not compared with --dedup-window: ${error.message}`);
-      break;
     }
   }
   return warnings;

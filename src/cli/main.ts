@@ -91,9 +91,11 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   const routes = raw.config ? loadConfigRoutes(raw.config, raw, 'run') : [resolveBridgeSettings(raw, 'run')];
   const first = routes[0] as BridgeSettings;
   const management = raw.sourceManagement ? checkManagementUrl(raw.sourceManagement) : undefined;
-  if (management && new Set(routes.map((route) => new URL(route.sourceUrl).host)).size > 1) {
+  // The flag stands in for routes whose broker names no management API of its own.
+  const byFlag = routes.filter((route) => route.sourceManagementUrl === undefined);
+  if (management && new Set(byFlag.map((route) => new URL(route.sourceUrl).host)).size > 1) {
     throw new ConfigError(
-      '--source-management: the routes read from more than one source broker, and the queue TTL check takes the management API of one; leave it out, or run the routes of each broker in a process of their own',
+      '--source-management: the routes read from more than one source broker, and the flag names the management API of one; give each broker its own management: in the config file',
     );
   }
   const metricsEndpoint = resolveMetricsEndpoint(raw);

@@ -5,6 +5,7 @@ import { describeStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS } from '../observe/log.js';
 import { formatDuration, parseDuration } from './duration.js';
+import { checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
 import {
   amqpUrl,
@@ -40,11 +41,21 @@ const brokerUrl = amqpUrl.refine(
   'must not contain a comma; write it as %2C',
 );
 
+// The broker's management API (for the source queue TTL check), checked like --source-management.
+const managementUrl = z.string().superRefine((value, ctx) => {
+  try {
+    checkManagementUrl(value);
+  } catch (error) {
+    ctx.addIssue({ code: 'custom', message: (error as Error).message.replace(/^--source-management: /, '') });
+  }
+});
+
 const broker = z
   .object({
     url: brokerUrl.optional(),
     urls: z.array(brokerUrl).min(1, 'list at least one URL').optional(),
     tls: tlsFiles.optional(),
+    management: managementUrl.optional(),
   })
   .strict()
   .superRefine((value, ctx) => {
@@ -420,8 +431,11 @@ export function resolveConfigRoutes(
   }
   return file.routes.map((item, index) => {
     const raw = overlay(routeOptions(file, item), given);
+    const management = (file.brokers[item.source.broker] as Broker).management;
     try {
-      return { ...resolveBridgeSettings(raw, mode), route: item.name };
+      const settings: BridgeSettings = { ...resolveBridgeSettings(raw, mode), route: item.name };
+      if (management !== undefined) settings.sourceManagementUrl = management;
+      return settings;
     } catch (error) {
       if (error instanceof ConfigError) {
         throw new ConfigError(`${path}: routes[${index}] (${item.name}): ${error.message}`);
@@ -456,6 +470,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         name: settings.route,
         source: withoutUndefined({
           urls: settings.sourceUrls.map(redactUrl),
+          management: settings.sourceManagementUrl && redactUrl(settings.sourceManagementUrl),
           queue: settings.sourceQueue,
           tls: tlsOf(item, 'source'),
         }),

@@ -64,6 +64,8 @@ export interface BridgeSettings {
   sourceUrl: string;
   /** Nodes of the source cluster, tried in turn (the next one on each failure or lost connection). */
   sourceUrls: string[];
+  /** The source broker's management API, when a config file names one (for the queue TTL check). */
+  sourceManagementUrl?: string;
   sourceQueue: string;
   /** The first of targetUrls. */
   targetUrl: string;

@@ -7,6 +7,7 @@ import { stringify } from 'yaml';
 import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
+  declareQueue,
   depthOf,
   metricsUrl,
   openBroker,
@@ -18,6 +19,7 @@ import {
   servers,
   startCli,
   takeAll,
+  uniqueName,
   waitFor,
   withOption,
 } from '../helpers.js';
@@ -190,6 +192,54 @@ describe('run --config', () => {
       /^dedup-bridge: --source-management: the routes read from more than one source broker/,
     );
     expect(result.stderr.trim().split('\n')).toHaveLength(1);
+  });
+
+  it("checks each source broker's queue TTL through that broker's own management API", async () => {
+    const { redisUrl, sourceUrl, targetUrl, sourceManagementUrl } = servers();
+    // One node under two names is two brokers to the bridge; each names its management API.
+    const other = new URL(sourceUrl);
+    other.hostname = 'localhost';
+    const [qa, qb, qc] = [uniqueName('ttl-a'), uniqueName('ttl-b'), uniqueName('ttl-c')];
+    const twoDays = 2 * 86_400_000;
+    for (const queue of [qa, qb, qc]) {
+      await declareQueue(sourceUrl, queue, { arguments: { 'x-message-ttl': twoDays } });
+    }
+    for (const queue of ['ttl-x', 'ttl-y', 'ttl-z']) await declareQueue(targetUrl, queue);
+    const path = writeConfig({
+      brokers: {
+        a: { url: sourceUrl, management: sourceManagementUrl },
+        b: { url: other.toString(), management: sourceManagementUrl },
+        c: { url: sourceUrl },
+        t: { url: targetUrl },
+      },
+      redis: { url: redisUrl },
+      defaults: { dedupWindow: '1d' },
+      routes: [
+        { name: 'from-a', source: { broker: 'a', queue: qa }, target: { broker: 't', queue: 'ttl-x' } },
+        { name: 'from-b', source: { broker: 'b', queue: qb }, target: { broker: 't', queue: 'ttl-y' } },
+        { name: 'from-c', source: { broker: 'c', queue: qc }, target: { broker: 't', queue: 'ttl-z' } },
+      ],
+    });
+    const bridge = startCli(['run', '--config', path]);
+    const warned = (queue: string) =>
+      bridge
+        .output()
+        .includes(
+          `source queue \\"${queue}\\" keeps messages up to 2d (x-message-ttl), longer than --dedup-window 1d`,
+        );
+    expect(await waitFor(() => warned(qa) && warned(qb), 30_000), bridge.output()).toBe(true);
+    bridge.signal('SIGTERM');
+    const result = await bridge.done;
+    expect(result.code).toBe(0);
+    // Broker c names no management API, and there is no flag: its route is said to go unchecked.
+    expect(warned(qc)).toBe(false);
+    expect(result.stdout).toContain('source queue TTL not compared with --dedup-window for from-c');
+    // The same two with --strict: refused before anything moves.
+    const strict = await runCli(['run', '--config', path, '--strict']);
+    expect(strict.code).toBe(2);
+    expect(strict.stderr).toMatch(
+      new RegExp(`^dedup-bridge: --strict: source queue "${qa}" keeps messages up to 2d`),
+    );
   });
 
   it('config check prints the effective config with passwords masked (exit 0), or the path of an error (exit 2)', async () => {

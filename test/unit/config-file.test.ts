@@ -251,6 +251,28 @@ describe('config file', () => {
     ]);
   });
 
+  it("takes a source broker's management API for the TTL check, checked like --source-management", () => {
+    const file = twoRoutes() as ReturnType<typeof twoRoutes> & {
+      brokers: { old: { management?: string } };
+    };
+    file.brokers.old.management = `http://monitor:${SECRET}@old-1:15672`;
+    const path = configFile(file);
+    const routes = loadConfigRoutes(path, {}, 'run');
+    expect(routes.map((route) => route.sourceManagementUrl)).toEqual([
+      `http://monitor:${SECRET}@old-1:15672`,
+      `http://monitor:${SECRET}@old-1:15672`,
+    ]);
+    const described = describeConfig(loadConfigFile(path), routes);
+    expect(JSON.stringify(described)).not.toContain(SECRET);
+    expect(described).toMatchObject({
+      routes: [{ source: { management: 'http://monitor:***@old-1:15672/' } }, {}],
+    });
+    file.brokers.old.management = 'amqp://old-1:15672';
+    expect(loadError(configFile(file))).toMatch(
+      /: brokers\.old\.management: must be an http\(s\) URL, e\.g\. http:\/\/user:password@host:15672$/,
+    );
+  });
+
   it('describes the effective config with every password masked', () => {
     const path = configFile(twoRoutes());
     const file = loadConfigFile(path);
