@@ -393,7 +393,7 @@ export class Pipeline {
    */
   private publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
     const started = performance.now();
-    const first = entry.suspect > 0 ? this.alone(() => this.publish(entry)) : this.publish(entry);
+    const first = this.publishOnce(entry);
     const timed = (outcome: PublishOutcome) => {
       if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
       return outcome;
@@ -407,11 +407,8 @@ export class Pipeline {
 
   /** The rest of publishUntilAnswered, after a first publish was lost or its channel killed. */
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
-    let outcome: PublishOutcome | undefined = firstOutcome;
+    let outcome = firstOutcome;
     for (;;) {
-      // A message that was in flight when the broker closed the channel goes again alone, so that
-      // a message the broker refuses that way (over its max_message_size, say) shows itself.
-      outcome ??= entry.suspect > 0 ? await this.alone(() => this.publish(entry)) : await this.publish(entry);
       if (outcome === 'killed' && !this.abandoned) {
         entry.suspect++;
         if (entry.suspect >= 2) {
@@ -427,8 +424,16 @@ export class Pipeline {
         entry.state = 'in-doubt';
         this.counters.resentInDoubt++;
       }
-      outcome = undefined;
+      outcome = await this.publishOnce(entry);
     }
+  }
+
+  /**
+   * One publish. A message that was in flight when the broker closed the channel goes alone, so
+   * that a message the broker refuses that way (over its max_message_size, say) shows itself.
+   */
+  private publishOnce(entry: Entry): Promise<PublishOutcome> {
+    return entry.suspect > 0 ? this.alone(() => this.publish(entry)) : this.publish(entry);
   }
 
   /** Runs publishes of suspect messages one at a time. */

@@ -1,20 +1,30 @@
 /** Masks the password in a URL so it can be printed or logged. Never throws. */
 export function redactUrl(url: string): string {
-  let parsed = false;
-  try {
-    const parts = new URL(url);
-    if (parts.password) {
-      parts.password = '***';
-      return parts.toString();
-    }
-    parsed = true;
-    // No password parsed, yet there may be one: typed without its scheme ("user:" reads as one),
-    // or unencoded so that it reads as a port and a path (amqp://bob:123/x@host). Use the text rule.
-  } catch {
-    // Not a URL we can parse: use the text rule.
+  const parts = parse(url);
+  if (parts?.password) {
+    parts.password = '***';
+    return parts.toString();
   }
-  const found = passwordSpan(url, parsed);
+  // No password parsed, yet there may be one: typed without its scheme ("user:" reads as one),
+  // unencoded so that it reads as a port and a path (amqp://bob:123/x@host), or not a URL at all.
+  const found = passwordSpan(url, parts !== undefined);
   return found ? `${url.slice(0, found.start)}***${url.slice(found.end)}` : url;
+}
+
+function parse(url: string): URL | undefined {
+  try {
+    return new URL(url);
+  } catch {
+    return undefined;
+  }
+}
+
+function decoded(text: string): string {
+  try {
+    return decodeURIComponent(text);
+  } catch {
+    return text;
+  }
 }
 
 /**
@@ -43,25 +53,8 @@ export function redactSecrets(text: string, secrets: readonly string[]): string 
 
 /** The password of a URL, decoded, or '' — used to scrub it from third-party error texts. */
 export function passwordOf(url: string): string {
-  let parsed = '';
-  try {
-    parsed = decodeURIComponent(new URL(url).password);
-  } catch {
-    // fall back to the text rule
-  }
-  if (parsed) return parsed;
-  let parses = true;
-  try {
-    new URL(url);
-  } catch {
-    parses = false;
-  }
-  const found = passwordSpan(url, parses);
-  if (!found) return '';
-  const text = url.slice(found.start, found.end);
-  try {
-    return decodeURIComponent(text);
-  } catch {
-    return text;
-  }
+  const parts = parse(url);
+  if (parts?.password) return decoded(parts.password);
+  const found = passwordSpan(url, parts !== undefined);
+  return found ? decoded(url.slice(found.start, found.end)) : '';
 }
