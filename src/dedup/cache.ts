@@ -102,17 +102,18 @@ function baseOf(prefix: string, scope: string, shard: number, shards: number): s
 }
 
 interface Digest {
-  /** 96 bits that stand for the ID in the committed hashes. */
-  field: Buffer;
-  /** Picks the bucket within a generation. */
-  bucket: number;
+  /**
+   * What the scripts take for the ID: 12 bytes that stand for it in the committed hashes, then 4
+   * that pick its bucket within a generation (see digest_at in committed.lua).
+   */
+  packed: Buffer;
   /** Picks the slot shard. */
   shard: number;
 }
 
 function digestOf(idKey: string): Digest {
   const sha = hash('sha1', idKey, 'buffer');
-  return { field: sha.subarray(0, 12), bucket: sha.readUInt32BE(12), shard: sha.readUInt32BE(16) };
+  return { packed: sha.subarray(0, 16), shard: sha.readUInt32BE(16) };
 }
 
 // Digests of recent claim keys: a key is made once per message and then claimed and committed,
@@ -142,14 +143,12 @@ function splitKey(key: string): { base: string; idKey: string } {
   return { base: key.slice(0, end), idKey: key.slice(end + CLAIM_MARK.length) };
 }
 
-/** Per key: its digest's field and bucket number, as the scripts take them after their fixed ARGV. */
-function digestArgs(keys: readonly string[]): (Buffer | number)[] {
-  const args: (Buffer | number)[] = [];
-  for (const key of keys) {
-    const digest = digestOfKey(key);
-    args.push(digest.field, digest.bucket);
-  }
-  return args;
+/** The keys' digests as one argument, in their order (the scripts split it). */
+function packedDigests(keys: readonly string[]): Buffer {
+  return Buffer.concat(
+    keys.map((key) => digestOfKey(key).packed),
+    keys.length * 16,
+  );
 }
 
 /** The key count and keys of a script that reads committed IDs: the shard's meta hash first. */
@@ -282,7 +281,7 @@ export class DedupCache {
         leaseMs,
         windowMs,
         this.layout.sliceMs,
-        ...digestArgs(group),
+        packedDigests(group),
       ),
     );
     return codes.map((code) => CLAIM_STATES[code as number] as ClaimState);
@@ -329,7 +328,7 @@ export class DedupCache {
         ...withMeta(base, group),
         this.options.windowMs,
         this.layout.sliceMs,
-        ...digestArgs(group),
+        packedDigests(group),
       ),
     );
     return replies.map((reply) => {
@@ -341,7 +340,7 @@ export class DedupCache {
   /** Deletes every record of the keys; returns how many had one. */
   async forget(keys: readonly string[]): Promise<number> {
     const codes = await this.perShard(keys, (base, group) =>
-      this.scripts.forget(...withMeta(base, group), this.layout.sliceMs, ...digestArgs(group)),
+      this.scripts.forget(...withMeta(base, group), this.layout.sliceMs, packedDigests(group)),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
@@ -352,7 +351,7 @@ export class DedupCache {
       this.token,
       this.options.windowMs,
       this.layout.sliceMs,
-      ...digestArgs(keys),
+      packedDigests(keys),
     ];
   }
 

@@ -4,7 +4,7 @@
 -- ARGV[1]        owner token of the calling process
 -- ARGV[2]        dedup window in ms: how long a committed ID is remembered
 -- ARGV[3]        slice length in ms
--- ARGV[4..]      per ID: the 12-byte digest of its ID and a 32-bit number from the same digest
+-- ARGV[4]        the IDs' digests, packed (see digest_at in committed.lua)
 -- Reply: one integer per ID
 --   1 committed   our claim held and is now committed
 --   2 already     it was already committed (a re-sent commit, or another owner finished first)
@@ -23,7 +23,7 @@ local writer = slice_writer(meta, slices, slice_ms, window, now)
 local reply = {}
 for i = 1, #KEYS - 1 do
   local key = KEYS[i + 1]
-  local field, h = ARGV[2 + 2 * i], tonumber(ARGV[3 + 2 * i])
+  local field, h = digest_at(ARGV[4], i)
   -- Read and delete in one: the claim goes in every case.
   local value = redis.call('GETDEL', key)
   local owner = value and string.match(value, '^c:([^:]*):')

@@ -23,6 +23,46 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- A number given to redis.call as an argument: Redis 7.2.0-7.2.4 may render a Lua number in
+-- exponent form (1.7e+12), which PEXPIREAT refuses. (Joined with '..', Lua 5.1 prints integers
+-- below 1e14 in full.)
+local function int(x)
+  return string.format('%d', x)
+end
+
+-- Bucket key names. Lua turns a number into text through sprintf, and building every looked-up
+-- key from three numbers was a seventh of the scripts' work: the parts are made once per call.
+local number_texts = {}
+local function text_of(n)
+  local text = number_texts[n]
+  if text == nil then
+    text = int(n)
+    number_texts[n] = text
+  end
+  return text
+end
+
+local bases = {}
+local function base_of(meta)
+  local base = bases[meta]
+  if base == nil then
+    base = string.sub(meta, 1, -3)
+    bases[meta] = base
+  end
+  return base
+end
+
+-- <base>:d:<slice>:<generation>:<bucket> of the ID with bucket number h, in generation g of slice s.
+local function bucket_key(meta, s, g, h)
+  s.prefixes = s.prefixes or {}
+  local prefix = s.prefixes[g]
+  if prefix == nil then
+    prefix = base_of(meta) .. ':d:' .. int(s.slice) .. ':' .. int(g - 1) .. ':'
+    s.prefixes[g] = prefix
+  end
+  return prefix .. text_of(h % s.buckets[g])
+end
+
 -- The slices this caller's window covers, and the names of those whose expiry has passed.
 local function read_slices(meta, slice_ms, window, now)
   local raw = redis.call('HGETALL', meta)
@@ -44,19 +84,20 @@ local function read_slices(meta, slice_ms, window, now)
   return live, expired
 end
 
--- A number given to redis.call as an argument: Redis 7.2.0-7.2.4 may render a Lua number in
--- exponent form (1.7e+12), which PEXPIREAT refuses. (Joined with '..', Lua 5.1 prints integers
--- below 1e14 in full.)
-local function int(x)
-  return string.format('%d', x)
+-- The i-th ID of a packed digest argument (16 bytes per ID, one string for the whole batch, so
+-- that Redis parses one argument instead of two per ID): its 12-byte field and its 32-bit bucket
+-- number, big-endian.
+local function digest_at(packed, i)
+  local at = (i - 1) * 16
+  local a, b, c, d = string.byte(packed, at + 13, at + 16)
+  return string.sub(packed, at + 1, at + 12), ((a * 256 + b) * 256 + c) * 256 + d
 end
 
 -- The bucket key that holds the digest and its slice, or nil when no live slice has it.
 local function find_committed(meta, slices, field, h)
-  local base = string.sub(meta, 1, -3)
   for _, s in ipairs(slices) do
-    for g, b in ipairs(s.buckets) do
-      local key = base .. ':d:' .. s.slice .. ':' .. (g - 1) .. ':' .. (h % b)
+    for g = 1, #s.buckets do
+      local key = bucket_key(meta, s, g, h)
       if redis.call('HEXISTS', key, field) == 1 then return key, s end
     end
   end
@@ -76,7 +117,6 @@ end
 -- Opens the current slice for writing (creating it from the previous slice's size), returning a
 -- writer: add(field, h) records one ID, finish() saves the meta and sets the expiries.
 local function slice_writer(meta, slices, slice_ms, window, now)
-  local base = string.sub(meta, 1, -3)
   local current_slice = math.floor(now / slice_ms)
   local current, previous = nil, nil
   for _, s in ipairs(slices) do
@@ -104,7 +144,7 @@ local function slice_writer(meta, slices, slice_ms, window, now)
       current.buckets[#current.buckets + 1] = b
       current.n = 0
     end
-    local key = base .. ':d:' .. current_slice .. ':' .. (#current.buckets - 1) .. ':' .. (h % b)
+    local key = bucket_key(meta, current, #current.buckets, h)
     redis.call('HSET', key, field, '')
     touched[key] = true
     current.n = current.n + 1

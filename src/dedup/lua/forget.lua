@@ -2,7 +2,7 @@
 -- KEYS[1]        the scope shard's meta hash <base>:m (see committed.lua)
 -- KEYS[2..n+1]   the claim key of each ID, in the same hash slot: <base>:c:<id>
 -- ARGV[1]        slice length in ms
--- ARGV[2..]      per ID: the 12-byte digest of its ID and a 32-bit number from the same digest
+-- ARGV[2]        the IDs' digests, packed (see digest_at in committed.lua)
 -- Reply: per ID 1 when something was deleted, else 0
 local now = now_ms()
 local meta = KEYS[1]
@@ -12,7 +12,7 @@ local reply = {}
 for i = 1, #KEYS - 1 do
   local key = KEYS[i + 1]
   local deleted = redis.call('DEL', key)
-  local field, h = ARGV[2 * i], tonumber(ARGV[1 + 2 * i])
+  local field, h = digest_at(ARGV[2], i)
   local bucket, slice = find_committed(meta, slices, field, h)
   while bucket do
     deleted = deleted + redis.call('HDEL', bucket, field)

@@ -2,7 +2,7 @@
 -- KEYS[1]        the scope shard's meta hash <base>:m (see committed.lua)
 -- KEYS[2..n+1]   the claim key of each ID, in the same hash slot: <base>:c:<id>
 -- ARGV[1]        dedup window in ms (which slices count), ARGV[2] slice length in ms
--- ARGV[3..]      per ID: the 12-byte digest of its ID and a 32-bit number from the same digest
+-- ARGV[3]        the IDs' digests, packed (see digest_at in committed.lua)
 -- Reply: per ID { state, ms left before the record expires (-2 none), claim value or '' }
 --   state 0 unknown, 1 committed, 2 claimed (the value says by whom, until when, in-doubt or not)
 local now = now_ms()
@@ -15,7 +15,7 @@ for i = 1, #KEYS - 1 do
   if value then
     reply[i] = { 2, redis.call('PTTL', key), value }
   else
-    local bucket = find_committed(meta, slices, ARGV[1 + 2 * i], tonumber(ARGV[2 + 2 * i]))
+    local bucket = find_committed(meta, slices, digest_at(ARGV[3], i))
     if bucket then
       reply[i] = { 1, redis.call('PTTL', bucket), '' }
     else
