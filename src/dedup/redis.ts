@@ -14,6 +14,18 @@ export type RedisClient = Redis | Cluster;
 // Replies that mean the URL's credentials or database are wrong: retrying cannot fix them.
 const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR DB index is out of range)/;
 
+/**
+ * The line for credentials or a database Redis refused. At start the bridge exits; on a reconnect
+ * it keeps retrying, so that fixing Redis's side resumes it without a restart.
+ */
+function refusal(where: string, error: Error, reconnecting: boolean): string {
+  const code = FATAL_REPLY.exec(error.message)?.[1] ?? error.message;
+  const what = 'authentication or database refused; check the user, password and database in the URL';
+  return reconnecting
+    ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
+    : `${where}: ${code} — ${what}`;
+}
+
 const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);
 
 /** Builds the ioredis client for a topology, not yet connected. */
@@ -84,9 +96,7 @@ export async function connectRedis(
     if (!connected) return;
     if (FATAL_REPLY.test(error.message)) {
       if (!refused) {
-        log.error(
-          `${where}: ${error.message.split(' ')[0]} on reconnecting — authentication or database refused; check the user, password and database in the URL against Redis (retrying meanwhile; messages wait unacked in the source)`,
-        );
+        log.error(refusal(where, error, true));
       }
       refused = true;
       down = true;
@@ -132,11 +142,7 @@ export async function connectRedis(
           reject(new FatalConnectError(`${where}: ${tlsProblem}`));
         } else if (FATAL_REPLY.test(error.message)) {
           clearTimeout(timer);
-          reject(
-            new FatalConnectError(
-              `${where}: ${error.message.split(' ')[0]} — authentication or database refused; check the user, password and database in the URL`,
-            ),
-          );
+          reject(new FatalConnectError(refusal(where, error, false)));
         }
       };
       redis.on('error', onError);

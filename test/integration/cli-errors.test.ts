@@ -77,6 +77,25 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expectOneLine(result, 2, /source broker at amqp:\/\/guest:\*\*\*@.*login refused/);
   });
 
+  it('Redis refusing the credentials or the database exits 2 and says which', async () => {
+    const { redisUrl } = servers();
+    const user = new URL(redisUrl);
+    user.username = 'nobody';
+    user.password = SECRET;
+    expectOneLine(
+      await runCli(args({ '--redis': user.toString() })),
+      2,
+      /Redis at redis:\/\/nobody:\*\*\*@.*: WRONGPASS — authentication or database refused; check the user, password and database in the URL$/,
+    );
+    const database = new URL(redisUrl);
+    database.pathname = '/99';
+    expectOneLine(
+      await runCli(args({ '--redis': database.toString() })),
+      2,
+      /\/99: ERR DB index is out of range — authentication or database refused/,
+    );
+  });
+
   it('an unreachable broker exits 1 after the bounded retry', async () => {
     const { source } = await queuePair();
     const port = await freePort();
