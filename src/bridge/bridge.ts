@@ -100,6 +100,8 @@ export async function startBridge(
       shards: settings.cacheShards,
     });
     await sourceLink.start();
+    // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded.
+    cache.expectedIds = (await source.depth()) ?? 0;
     await targetLink.start();
   } catch (error) {
     await closeAll();

@@ -188,6 +188,11 @@ type ScriptCall = (numKeys: number, ...args: Arg[]) => Promise<unknown>;
  */
 export class DedupCache {
   readonly token: string;
+  /**
+   * How many IDs a new scope's first slice should have room for (the bridge sets the source
+   * backlog): sized right, a first migration run keeps one generation, so one lookup per new ID.
+   */
+  expectedIds = 0;
   private readonly scripts: Record<ScriptName, ScriptCall>;
 
   private constructor(
@@ -352,6 +357,7 @@ export class DedupCache {
       this.options.windowMs,
       this.layout.sliceMs,
       packedDigests(keys),
+      this.expectedIds,
     ];
   }
 

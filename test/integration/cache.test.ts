@@ -147,9 +147,26 @@ describe('the Redis cache scripts (real Redis)', () => {
     // buckets of 80.
     const later = (await nowMs()) + 60_000;
     await redis.hset(`dedup:{${scope}}:m`, String(current - 1), `0:8000:${later}:1,4,16`);
+    // What the writer expects counts only for a scope's first slice.
+    cache.expectedIds = 100_000;
     await cache.commit([cache.keyOf('first-of-the-slice')]);
     const expireAt = (current + 1) * sliceMs + WINDOW;
     expect(await redis.hget(`dedup:{${scope}}:m`, String(current))).toBe(`1:1:${expireAt}:125`);
+  });
+
+  it("sizes a new scope's first slice for the IDs its writer expects, at least 16 buckets", async () => {
+    const firstSliceOf = async (expectedIds: number) => {
+      const scope = uniqueName('scope');
+      const cache = await cacheOf(scope, 'expecting');
+      cache.expectedIds = expectedIds;
+      await cache.commit([cache.keyOf('first')]);
+      const [value] = Object.values(await redis.hgetall(`dedup:{${scope}}:m`));
+      return value?.split(':')[3];
+    };
+    // 10,000 IDs and a quarter more, 80 per bucket.
+    expect(await firstSliceOf(10_000)).toBe('157');
+    expect(await firstSliceOf(100)).toBe('16');
+    expect(await firstSliceOf(0)).toBe('16');
   });
 
   it('a writer with a shorter window leaves the slices a longer window still needs', async () => {

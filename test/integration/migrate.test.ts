@@ -1,6 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import {
   countDelivery,
@@ -121,6 +122,13 @@ describe('migrate: once and only once', () => {
       });
       expect(message.properties.headers).toEqual(options.headers);
     }
+
+    // The scope was new: its first slice was sized for the backlog (5,500 messages, 86 buckets of
+    // 80), so the 5,000 IDs are one generation and each lookup read one bucket.
+    const redis = new Redis(redisUrl);
+    const slices = Object.values(await redis.hgetall(`dedup:{queue:${targetQueue}}:m`));
+    redis.disconnect();
+    expect(slices).toEqual([expect.stringMatching(/^5000:5000:\d+:86$/)]);
 
     // The same messages again: the cache knows every ID, so nothing is forwarded.
     await publishAll(sourceUrl, sourceQueue, messages);

@@ -5,6 +5,7 @@
 -- ARGV[2]        dedup window in ms: how long a committed ID is remembered
 -- ARGV[3]        slice length in ms
 -- ARGV[4]        the IDs' digests, packed (see digest_at in committed.lua)
+-- ARGV[5]        IDs a new scope's first slice should have room for (0: no estimate)
 -- Reply: one integer per ID
 --   1 committed   our claim held and is now committed
 --   2 already     it was already committed (a re-sent commit, or another owner finished first)
@@ -19,7 +20,7 @@ local token = ARGV[1]
 local window = tonumber(ARGV[2])
 local slice_ms = tonumber(ARGV[3])
 local slices, expired = read_slices(meta, slice_ms, window, now)
-local writer = slice_writer(meta, slices, slice_ms, window, now)
+local writer = slice_writer(meta, slices, slice_ms, window, now, tonumber(ARGV[5]) or 0)
 local reply = {}
 for i = 1, #KEYS - 1 do
   local key = KEYS[i + 1]

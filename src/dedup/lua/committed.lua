@@ -14,8 +14,9 @@
 -- while its own window covers it too.
 local FILL = 80
 local GROWTH = 4
--- A scope's first slice has no size to go by: start it at 16 buckets (1,280 IDs) rather than one,
--- which saves a fresh scope (a migration's first run) two generations, so two lookups per new ID.
+-- A scope's first slice has no previous one to go by. It is sized for the IDs its writer expects
+-- (the bridge passes the source queue's backlog at start), and at least 16 buckets (1,280 IDs), so
+-- that a migration's first run is not split into generations, each a lookup more per new ID.
 local FIRST_BUCKETS = 16
 
 local function now_ms()
@@ -114,9 +115,10 @@ local function extend(key, expire_at, now)
   if redis.call('PTTL', key) < expire_at - now then redis.call('PEXPIREAT', key, int(expire_at)) end
 end
 
--- Opens the current slice for writing (creating it from the previous slice's size), returning a
--- writer: add(field, h) records one ID, finish() saves the meta and sets the expiries.
-local function slice_writer(meta, slices, slice_ms, window, now)
+-- Opens the current slice for writing (creating it from the previous slice's size, or for the
+-- `expected` IDs when there is none), returning a writer: add(field, h) records one ID, finish()
+-- saves the meta and sets the expiries.
+local function slice_writer(meta, slices, slice_ms, window, now, expected)
   local current_slice = math.floor(now / slice_ms)
   local current, previous = nil, nil
   for _, s in ipairs(slices) do
@@ -129,7 +131,7 @@ local function slice_writer(meta, slices, slice_ms, window, now)
   local expire_at = (current_slice + 1) * slice_ms + window
   if current == nil then
     -- A quarter more than the previous slice took: traffic that grows a little stays in one generation.
-    local first = FIRST_BUCKETS
+    local first = math.max(FIRST_BUCKETS, math.ceil(expected * 1.25 / FILL))
     if previous then first = math.max(1, math.ceil(previous.total * 1.25 / FILL)) end
     current = { slice = current_slice, n = 0, total = 0, expire_at = expire_at, buckets = { first } }
     slices[#slices + 1] = current
