@@ -7,9 +7,19 @@ import { accessRefused, replyCodeOf } from './errors.js';
 /** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
 interface AckState {
   unsettled: Set<number>;
-  ready: Set<number>;
+  /** Delivery tags to ack → when they were ready (Date.now()), oldest first. */
+  ready: Map<number, number>;
   scheduled: boolean;
+  holdTimer: NodeJS.Timeout | undefined;
 }
+
+/**
+ * How long an ack may wait for the older messages in flight before it goes alone. RabbitMQ finds
+ * a single ack's tag by walking the channel's unacked messages from the oldest, so with a full
+ * prefetch window an ack out of order cost the source broker as much as hundreds in order (with 10%
+ * duplicates, acked as soon as their claim said so, its CPU per message rose by half).
+ */
+const HOLD_OUT_OF_ORDER_MS = 1000;
 
 /** A stand-in message for acking by delivery tag. */
 function tagged(deliveryTag: number): Message {
@@ -145,7 +155,7 @@ export class SourceQueue {
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
     const acks = this.acksOf(channel);
-    acks.ready.add(message.fields.deliveryTag);
+    acks.ready.set(message.fields.deliveryTag, Date.now());
     if (!acks.scheduled) {
       acks.scheduled = true;
       setImmediate(() => this.flushAcks(channel, acks));
@@ -156,7 +166,12 @@ export class SourceQueue {
   private acksOf(channel: Channel): AckState {
     let state = this.ackStates.get(channel);
     if (!state) {
-      state = { unsettled: new Set(), ready: new Set(), scheduled: false };
+      state = {
+        unsettled: new Set(),
+        ready: new Map(),
+        scheduled: false,
+        holdTimer: undefined,
+      };
       this.ackStates.set(channel, state);
     }
     return state;
@@ -164,9 +179,10 @@ export class SourceQueue {
 
   /**
    * Sends the acks collected in this turn: one `multiple` ack for the run of delivery tags from the
-   * oldest unsettled one, the others one by one (never held back behind a message still in flight).
+   * oldest unsettled one. The others wait to be covered by a later one, for up to
+   * HOLD_OUT_OF_ORDER_MS, and then go one by one (`all`: at once).
    */
-  private flushAcks(channel: Channel, acks: AckState): void {
+  private flushAcks(channel: Channel, acks: AckState, all = false): void {
     acks.scheduled = false;
     if (channel !== this.channel) return;
     let upTo: number | undefined;
@@ -178,11 +194,19 @@ export class SourceQueue {
     }
     try {
       if (upTo !== undefined) channel.ack(tagged(upTo), true);
-      for (const tag of acks.ready) {
+      const now = Date.now();
+      for (const [tag, since] of acks.ready) {
+        if (!all && now - since < HOLD_OUT_OF_ORDER_MS) {
+          acks.holdTimer ??= setTimeout(() => {
+            acks.holdTimer = undefined;
+            this.flushAcks(channel, acks);
+          }, HOLD_OUT_OF_ORDER_MS - (now - since)).unref();
+          break;
+        }
         acks.unsettled.delete(tag);
+        acks.ready.delete(tag);
         channel.ack(tagged(tag));
       }
-      acks.ready.clear();
     } catch {
       // The channel closed: the broker gives these back, and they come back as duplicates.
     }
@@ -253,14 +277,18 @@ export class SourceQueue {
     });
   }
 
+  /** Sends every ack still collected or waiting for an older message (before a close). */
+  sendHeldAcks(): void {
+    if (this.channel) this.flushAcks(this.channel, this.acksOf(this.channel), true);
+  }
+
   /**
    * Closes the consuming channel: the broker puts back every message we did not ack before it
    * answers, so a depth read afterwards counts them.
    */
   async closeConsumer(): Promise<void> {
     const channel = this.channel;
-    // Acks collected in this turn go out first.
-    if (channel) this.flushAcks(channel, this.acksOf(channel));
+    this.sendHeldAcks();
     this.channel = undefined;
     if (channel) await channel.close().catch(() => {});
   }

@@ -85,6 +85,8 @@ export async function startBridge(
   let redis: RedisClient | undefined;
   let cache: DedupCache;
   const closeAll = async () => {
+    // Acks still waiting to be covered by a `multiple` one go out before the connection closes.
+    source.sendHeldAcks();
     target.close();
     await Promise.allSettled([sourceLink.close(), targetLink.close()]);
     redis?.disconnect();
