@@ -197,10 +197,13 @@ export class SourceQueue {
       const now = Date.now();
       for (const [tag, since] of acks.ready) {
         if (!all && now - since < HOLD_OUT_OF_ORDER_MS) {
-          acks.holdTimer ??= setTimeout(() => {
-            acks.holdTimer = undefined;
-            this.flushAcks(channel, acks);
-          }, HOLD_OUT_OF_ORDER_MS - (now - since)).unref();
+          acks.holdTimer ??= setTimeout(
+            () => {
+              acks.holdTimer = undefined;
+              this.flushAcks(channel, acks);
+            },
+            HOLD_OUT_OF_ORDER_MS - (now - since),
+          ).unref();
           break;
         }
         acks.unsettled.delete(tag);
