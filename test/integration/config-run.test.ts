@@ -292,13 +292,16 @@ describe('several URLs per broker (cluster failover)', () => {
     const bridge = startCli(withOption(withOption(args, '--source', sourceList), '--target', targetList));
     const messages = batch('down-first', 0, 300);
     await publishAll(sourceUrl, source, messages);
-    expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);
+    // All on the target before the stop: an empty source queue only says every message was
+    // delivered, and deliveries the bridge had not read yet when told to stop go back to it.
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 300)).toBe(true);
     bridge.signal('SIGTERM');
     const result = await bridge.done;
     expect(result.code).toBe(0);
     expect(result.stdout).toMatch(
       /source broker at amqp:\/\/[^"]*127\.0\.0\.1:\d+[^"]* not reachable; trying the next URL/,
     );
+    expect(await depthOf(sourceUrl, source)).toBe(0);
     const arrived = (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID));
     expect(countDelivery('first URL down', idsOf(messages), arrived)).toMatchObject({
       lost: 0,
