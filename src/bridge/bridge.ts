@@ -82,6 +82,7 @@ export async function startBridge(
   source.onBroken = (reason) => sourceLink.reset(reason);
   target.onBroken = (reason) => targetLink.reset(reason);
 
+  const budget = limits.budget ?? new MessageBudget(undefined);
   let redis: RedisClient | undefined;
   let cache: DedupCache;
   const closeAll = async () => {
@@ -102,8 +103,9 @@ export async function startBridge(
       shards: settings.cacheShards,
     });
     await sourceLink.start();
-    // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded.
-    cache.expectedIds = (await source.depth()) ?? 0;
+    // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
+    // (no more than --max-messages lets this run take).
+    cache.expectedIds = Math.min((await source.depth()) ?? 0, budget.remaining);
     await targetLink.start();
   } catch (error) {
     await closeAll();
@@ -133,7 +135,7 @@ export async function startBridge(
       onUnroutable: settings.onUnroutable,
       parkQueue: settings.parkQueue,
       requeueDelay: settings.requeueDelay,
-      budget: limits.budget ?? new MessageBudget(undefined),
+      budget,
       throttle: limits.throttle,
       afterConfirm: limits.afterConfirm,
     },

@@ -12,6 +12,11 @@ export class MessageBudget {
     return true;
   }
 
+  /** Messages still to take (Infinity without a limit). */
+  get remaining(): number {
+    return this.max === undefined ? Number.POSITIVE_INFINITY : Math.max(0, this.max - this.taken);
+  }
+
   get exhausted(): boolean {
     return this.max !== undefined && this.taken >= this.max;
   }

@@ -157,6 +157,18 @@ describe('migrate: the scheduled job', () => {
     }
   });
 
+  it("sizes a new scope's first slice for what --max-messages lets the run take, not the whole backlog", async () => {
+    const { redisUrl } = servers();
+    const { names } = await queuesWith(1, 3000, 3000);
+    const run = await migrateWithReport(jobArgs(names, '--max-messages', '100'));
+    expect(run.code).toBe(4);
+    // Room for 100 IDs is the 16-bucket minimum; the 3,001 in the queue would have taken 47.
+    const redis = new Redis(redisUrl);
+    const slices = Object.values(await redis.hgetall(`dedup:{queue:${names[0]}}:m`));
+    redis.disconnect();
+    expect(slices).toEqual([expect.stringMatching(/^100:100:\d+:16$/)]);
+  });
+
   it('stops at --max-duration with exit 4', async () => {
     const { names } = await queuesWith(1, 1000, 1000);
     const run = await migrateWithReport(jobArgs(names, '--max-duration', '1s', '--max-rate', '200'));
