@@ -7,7 +7,7 @@ import { accessRefused, replyCodeOf } from './errors.js';
 /** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
 interface AckState {
   unsettled: Set<number>;
-  /** Delivery tags to ack → when they were ready (Date.now()), oldest first. */
+  /** Delivery tags to ack → when they were ready (performance.now()), oldest first. */
   ready: Map<number, number>;
   scheduled: boolean;
   holdTimer: NodeJS.Timeout | undefined;
@@ -17,9 +17,12 @@ interface AckState {
  * How long an ack may wait for the older messages in flight before it goes alone. RabbitMQ finds
  * a single ack's tag by walking the channel's unacked messages from the oldest, so with a full
  * prefetch window an ack out of order cost the source broker as much as hundreds in order (with 10%
- * duplicates, acked as soon as their claim said so, its CPU per message rose by half).
+ * duplicates, acked as soon as their claim said so, its CPU per message rose by half). Held acks
+ * keep their messages' prefetch slots, so they also go at once when they hold a quarter of the
+ * window: an old message that waits (a backoff, another owner's claim) must not stall the rest.
  */
-const HOLD_OUT_OF_ORDER_MS = 1000;
+const HOLD_OUT_OF_ORDER_MS = 200;
+const HOLD_AT_MOST_OF_PREFETCH = 0.25;
 
 /** A stand-in message for acking by delivery tag. */
 function tagged(deliveryTag: number): Message {
@@ -97,6 +100,8 @@ export class SourceQueue {
 
   /** Forgets the channels of a lost connection: their unacked messages go back to the queue. */
   detach(): void {
+    // A reset of a link that is still open (a channel of it closed): its held acks still count.
+    this.sendHeldAcks();
     this.channel = undefined;
     this.probe = undefined;
     this.parkChannel = undefined;
@@ -155,12 +160,16 @@ export class SourceQueue {
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
     const acks = this.acksOf(channel);
-    acks.ready.set(message.fields.deliveryTag, Date.now());
-    if (!acks.scheduled) {
-      acks.scheduled = true;
-      setImmediate(() => this.flushAcks(channel, acks));
-    }
+    acks.ready.set(message.fields.deliveryTag, performance.now());
+    this.flushSoon(channel, acks);
     return true;
+  }
+
+  /** Flushes the acks once this turn's acks are all collected. */
+  private flushSoon(channel: Channel, acks: AckState): void {
+    if (acks.scheduled) return;
+    acks.scheduled = true;
+    setImmediate(() => this.flushAcks(channel, acks));
   }
 
   private acksOf(channel: Channel): AckState {
@@ -180,9 +189,10 @@ export class SourceQueue {
   /**
    * Sends the acks collected in this turn: one `multiple` ack for the run of delivery tags from the
    * oldest unsettled one. The others wait to be covered by a later one, for up to
-   * HOLD_OUT_OF_ORDER_MS, and then go one by one (`all`: at once).
+   * HOLD_OUT_OF_ORDER_MS or until they hold a quarter of the prefetch window, and then go one by
+   * one (`everything`: at once).
    */
-  private flushAcks(channel: Channel, acks: AckState, all = false): void {
+  private flushAcks(channel: Channel, acks: AckState, everything = false): void {
     acks.scheduled = false;
     if (channel !== this.channel) return;
     let upTo: number | undefined;
@@ -194,7 +204,8 @@ export class SourceQueue {
     }
     try {
       if (upTo !== undefined) channel.ack(tagged(upTo), true);
-      const now = Date.now();
+      const now = performance.now();
+      const all = everything || acks.ready.size >= this.prefetch * HOLD_AT_MOST_OF_PREFETCH;
       for (const [tag, since] of acks.ready) {
         if (!all && now - since < HOLD_OUT_OF_ORDER_MS) {
           acks.holdTimer ??= setTimeout(
@@ -219,9 +230,12 @@ export class SourceQueue {
   nack(message: ConsumeMessage, requeue: boolean): boolean {
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
-    this.acksOf(channel).unsettled.delete(message.fields.deliveryTag);
+    const acks = this.acksOf(channel);
+    acks.unsettled.delete(message.fields.deliveryTag);
     try {
       channel.nack(message, false, requeue);
+      // The acks held behind this message may now be covered by one `multiple` ack.
+      if (acks.ready.size > 0) this.flushSoon(channel, acks);
       return true;
     } catch {
       return false;

@@ -357,7 +357,8 @@ export class DedupCache {
       this.options.windowMs,
       this.layout.sliceMs,
       packedDigests(keys),
-      this.expectedIds,
+      // Each slot shard holds its share of the IDs.
+      Math.ceil(this.expectedIds / this.layout.shards),
     ];
   }
 

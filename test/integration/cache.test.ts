@@ -167,6 +167,14 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await firstSliceOf(10_000)).toBe('157');
     expect(await firstSliceOf(100)).toBe('16');
     expect(await firstSliceOf(0)).toBe('16');
+    // Over 4 slot shards each shard's slice is sized for its quarter: 2,500 and a quarter more.
+    const scope = uniqueName('scope');
+    const sharded = await cacheOf(scope, 'expecting', 10_000, 4);
+    sharded.expectedIds = 10_000;
+    await sharded.commit([sharded.keyOf('first')]);
+    const metas = await Promise.all(sharded.bases().map((base) => redis.hgetall(`${base}:m`)));
+    const sizes = metas.flatMap((meta) => Object.values(meta).map((value) => value.split(':')[3]));
+    expect(sizes).toEqual(['40']);
   });
 
   it('a writer with a shorter window leaves the slices a longer window still needs', async () => {
