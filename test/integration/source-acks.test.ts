@@ -37,14 +37,20 @@ async function consumed(count: number, prefetch = 100) {
 
 const turn = () => new Promise((resolve) => setImmediate(resolve));
 
+/** Acks m2 and m3 while m1 is still in flight: nothing goes out yet. */
+async function ackBehindFirst({ source, sent, byBody }: Awaited<ReturnType<typeof consumed>>) {
+  source.ack(byBody('m2'));
+  source.ack(byBody('m3'));
+  await turn();
+  expect(sent).toEqual([]);
+}
+
 describe('source acks', () => {
   it('an ack out of order waits for the older messages and goes with their multiple ack, or alone after a moment', async () => {
-    const { source, connection, sent, byBody, depth } = await consumed(5);
+    const acks = await consumed(5);
+    const { source, connection, sent, byBody, depth } = acks;
     try {
-      source.ack(byBody('m2'));
-      source.ack(byBody('m3'));
-      await turn();
-      expect(sent).toEqual([]);
+      await ackBehindFirst(acks);
       source.ack(byBody('m1'));
       await turn();
       expect(sent).toEqual([[3, true]]);
@@ -88,12 +94,10 @@ describe('source acks', () => {
   });
 
   it('returning the oldest message lets the acks held behind it go as one multiple ack', async () => {
-    const { source, connection, sent, byBody, depth } = await consumed(3);
+    const acks = await consumed(3);
+    const { source, connection, sent, byBody, depth } = acks;
     try {
-      source.ack(byBody('m2'));
-      source.ack(byBody('m3'));
-      await turn();
-      expect(sent).toEqual([]);
+      await ackBehindFirst(acks);
       source.nack(byBody('m1'), true);
       await turn();
       expect(sent).toEqual([[3, true]]);
@@ -106,12 +110,10 @@ describe('source acks', () => {
   });
 
   it('closing the consumer sends the acks still waiting; only the unacked message goes back', async () => {
-    const { source, connection, sent, byBody, depth } = await consumed(3);
+    const acks = await consumed(3);
+    const { source, connection, sent, depth } = acks;
     try {
-      source.ack(byBody('m2'));
-      source.ack(byBody('m3'));
-      await turn();
-      expect(sent).toEqual([]);
+      await ackBehindFirst(acks);
       await source.closeConsumer();
       expect(sent).toEqual([
         [2, false],
