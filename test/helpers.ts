@@ -3,6 +3,11 @@ import { randomBytes } from 'node:crypto';
 import { fileURLToPath } from 'node:url';
 import amqp, { type ChannelModel, type ConfirmChannel, type GetMessage, type Options } from 'amqplib';
 import { expect, inject } from 'vitest';
+import { parseDuration } from '../src/config/duration.js';
+import { DEFAULTS } from '../src/config/settings.js';
+import { sliceLengthFor } from '../src/dedup/cache.js';
+import { connectRedis } from '../src/dedup/redis.js';
+import { createLogger } from '../src/observe/log.js';
 
 export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
 
@@ -259,6 +264,33 @@ export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs
     if (await check()) return true;
     if (Date.now() > deadline) return false;
     await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+}
+
+/** The slices of a scope first written with the default --dedup-window (7d): 42 h each. */
+export const DEFAULT_SLICE_MS = sliceLengthFor(parseDuration(DEFAULTS.dedupWindow, '--dedup-window'));
+
+/**
+ * For a test that runs the CLI, whose cache goes by the Redis server's clock, and asserts on the
+ * slices of what it commits (how many, how long they live): when less than `marginMs` is left of
+ * the current slice on that clock, waits until the next one begins. What the test commits within
+ * `marginMs` from now then lands in one slice and lives at least the whole window, wherever the
+ * wall clock was when the test started. With the defaults it waits in 1 run out of 2,520, at
+ * most a minute.
+ */
+export async function clearOfSliceEnd(
+  redisUrl: string,
+  marginMs = 60_000,
+  sliceMs = DEFAULT_SLICE_MS,
+): Promise<void> {
+  const redis = await connectRedis(redisUrl, 10_000, createLogger('silent'));
+  try {
+    const [seconds, micros] = (await redis.time()) as [number | string, number | string];
+    const now = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+    const left = sliceMs - (now % sliceMs);
+    if (left < marginMs) await new Promise((resolve) => setTimeout(resolve, left + 100));
+  } finally {
+    redis.disconnect();
   }
 }
 

@@ -168,6 +168,13 @@ export interface DedupCacheOptions {
    * explicitly is an error.
    */
   shards?: number | 'auto';
+  /**
+   * The time the scripts go by, in ms since the epoch: which slice a commit lands in, when slices
+   * and leases run out. Default: the Redis server's clock (the scripts read TIME), the one clock
+   * every process on the scope shares. Tests pass a fixed one, so that nothing they assert
+   * depends on where in a slice the wall clock happens to be.
+   */
+  clock?: () => number;
 }
 
 export interface IdRecord {
@@ -287,6 +294,7 @@ export class DedupCache {
         windowMs,
         this.layout.sliceMs,
         packedDigests(group),
+        this.now(),
       ),
     );
     return codes.map((code) => CLAIM_STATES[code as number] as ClaimState);
@@ -321,7 +329,7 @@ export class DedupCache {
 
   async renew(keys: readonly string[]): Promise<number> {
     const codes = await this.perShard(keys, (_, group) =>
-      this.scripts.renew(group.length, ...group, this.token, this.options.leaseMs),
+      this.scripts.renew(group.length, ...group, this.token, this.options.leaseMs, this.now()),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
@@ -334,6 +342,7 @@ export class DedupCache {
         this.options.windowMs,
         this.layout.sliceMs,
         packedDigests(group),
+        this.now(),
       ),
     );
     return replies.map((reply) => {
@@ -345,7 +354,7 @@ export class DedupCache {
   /** Deletes every record of the keys; returns how many had one. */
   async forget(keys: readonly string[]): Promise<number> {
     const codes = await this.perShard(keys, (base, group) =>
-      this.scripts.forget(...withMeta(base, group), this.layout.sliceMs, packedDigests(group)),
+      this.scripts.forget(...withMeta(base, group), this.layout.sliceMs, packedDigests(group), this.now()),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
@@ -359,7 +368,14 @@ export class DedupCache {
       packedDigests(keys),
       // Each slot shard holds its share of the IDs.
       Math.ceil(this.expectedIds / this.layout.shards),
+      this.now(),
     ];
+  }
+
+  /** The scripts' last argument: the injected clock's time, or '' for the Redis server's TIME. */
+  private now(): number | '' {
+    const clock = this.options.clock;
+    return clock ? Math.floor(clock()) : '';
   }
 
   private groups(keys: readonly string[]): Map<string, { keys: string[]; at: number[] }> {

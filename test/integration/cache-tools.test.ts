@@ -1,6 +1,7 @@
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import {
+  clearOfSliceEnd,
   declareQueue,
   depthOf,
   migrateArgs,
@@ -24,6 +25,8 @@ describe('cache tools and start-up safety checks', () => {
       options: { headers: { _HQ_DUPL_ID: id } },
     }));
     await publishAll(sourceUrl, source, batch);
+    // The expiry asserted below counts on the IDs' slice not ending before inspect reads them.
+    await clearOfSliceEnd(redisUrl);
     expect((await migrateWithReport(migrateArgs(source, ['--target-queue', target]))).code).toBe(0);
     const scope = `queue:${target}`;
 

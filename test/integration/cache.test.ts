@@ -16,6 +16,18 @@ describe('the Redis cache scripts (real Redis)', () => {
   const WINDOW = 60_000;
   const cacheOf = (scope: string, token: string, leaseMs = 10_000, shards?: number | 'auto') =>
     DedupCache.open(redis, { token, leaseMs, windowMs: WINDOW, prefix: 'dedup', scope, shards });
+  // Whatever is sliced or expired by time goes by a fixed clock, never by where in a minute the
+  // wall clock happens to be: this window's slices are 1 min, and AT is halfway through one.
+  const AT = Date.UTC(2030, 0, 1, 12, 0, 30);
+  const pinnedCacheOf = (scope: string, token: string) =>
+    DedupCache.open(redis, {
+      token,
+      leaseMs: 10_000,
+      windowMs: WINDOW,
+      prefix: 'dedup',
+      scope,
+      clock: () => AT,
+    });
   const stateOf = async (cache: DedupCache, key: string) => (await cache.lookup([key]))[0]?.state;
   const nowMs = async () => {
     const [seconds, micros] = (await redis.time()) as [number, number];
@@ -24,8 +36,8 @@ describe('the Redis cache scripts (real Redis)', () => {
 
   it('claims new IDs, reports committed ones as dup and live claims of others as busy', async () => {
     const scope = uniqueName('scope');
-    const mine = await cacheOf(scope, 'ownerA');
-    const theirs = await cacheOf(scope, 'ownerB');
+    const mine = await pinnedCacheOf(scope, 'ownerA');
+    const theirs = await pinnedCacheOf(scope, 'ownerB');
     const [a, b] = [mine.keyOf('a'), mine.keyOf('b')];
     expect(await mine.claim([a, b])).toEqual(['new', 'new']);
     expect(await theirs.claim([a, b])).toEqual(['busy', 'busy']);
@@ -100,7 +112,7 @@ describe('the Redis cache scripts (real Redis)', () => {
 
   it('keeps committed IDs in small listpack hashes that grow by generations, all still found', async () => {
     const scope = uniqueName('scope');
-    const cache = await cacheOf(scope, 'bulk');
+    const cache = await pinnedCacheOf(scope, 'bulk');
     const ids = Array.from(
       { length: 3000 },
       (_, i) => `${String(i).padStart(8, '0')}-0000-4000-8000-000000000000`,
@@ -118,6 +130,7 @@ describe('the Redis cache scripts (real Redis)', () => {
     const meta = await redis.hgetall(`dedup:{${scope}}:m`);
     const [slice, value] = Object.entries(meta)[0] as [string, string];
     expect(Object.keys(meta)).toHaveLength(1);
+    expect(slice).toBe(String(Math.floor(AT / cache.layout.sliceMs)));
     // 80 per bucket: a first slice starts with 16 buckets (1,280 IDs), then 64 for the other 1,720.
     const [, total, expireAt, list] = value.split(':');
     expect(Number(total)).toBe(3000);
@@ -138,14 +151,40 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(Math.max(...sizes)).toBeLessThanOrEqual(128);
   });
 
+  it("goes by the Redis server's clock unless given one", async () => {
+    const scope = uniqueName('scope');
+    const cache = await cacheOf(scope, 'server-time');
+    const sliceMs = cache.layout.sliceMs;
+    const before = await nowMs();
+    await cache.commit([cache.keyOf('x')]);
+    const after = await nowMs();
+    // The slice of the commit's moment, somewhere between the two readings of Redis TIME.
+    const [slice] = Object.keys(await redis.hgetall(`dedup:{${scope}}:m`)).map(Number);
+    expect(slice).toBeGreaterThanOrEqual(Math.floor(before / sliceMs));
+    expect(slice).toBeLessThanOrEqual(Math.floor(after / sliceMs));
+    // A given clock picks the slice, and the buckets live what is left of it plus the window on
+    // that clock, however far it is from the server's.
+    const other = uniqueName('scope');
+    const pinned = await pinnedCacheOf(other, 'pinned');
+    const y = pinned.keyOf('y');
+    await pinned.commit([y]);
+    expect(Object.keys(await redis.hgetall(`dedup:{${other}}:m`))).toEqual([
+      String(Math.floor(AT / sliceMs)),
+    ]);
+    const [record] = await pinned.lookup([y]);
+    expect(record?.state).toBe('committed');
+    expect(record?.ttlMs).toBeGreaterThan(WINDOW);
+    expect(record?.ttlMs).toBeLessThanOrEqual(WINDOW + sliceMs / 2);
+  });
+
   it('sizes a new slice from the previous one', async () => {
     const scope = uniqueName('scope');
-    const cache = await cacheOf(scope, 'sized');
+    const cache = await pinnedCacheOf(scope, 'sized');
     const sliceMs = cache.layout.sliceMs;
-    const current = Math.floor((await nowMs()) / sliceMs);
+    const current = Math.floor(AT / sliceMs);
     // The previous slice took 8,000 IDs: the new one starts with room for a quarter more, 125
     // buckets of 80.
-    const later = (await nowMs()) + 60_000;
+    const later = AT + 60_000;
     await redis.hset(`dedup:{${scope}}:m`, String(current - 1), `0:8000:${later}:1,4,16`);
     // What the writer expects counts only for a scope's first slice.
     cache.expectedIds = 100_000;
@@ -186,16 +225,17 @@ describe('the Redis cache scripts (real Redis)', () => {
       windowMs: 240_000,
       prefix: 'dedup',
       scope,
+      clock: () => AT,
     });
     expect(long.layout.sliceMs).toBe(60_000);
-    const now = await nowMs();
+    const now = AT;
     const current = Math.floor(now / 60_000);
     const meta = `dedup:{${scope}}:m`;
     // Three minutes old: past a 1-minute window, inside the 4-minute one that wrote it.
     await redis.hset(meta, String(current - 3), `0:5:${now + 60_000}:1`);
     // Long past every window: its buckets are gone.
     await redis.hset(meta, String(current - 9), `0:5:${now - 1000}:1`);
-    const short = await cacheOf(scope, 'short');
+    const short = await pinnedCacheOf(scope, 'short');
     await short.commit([short.keyOf('x')]);
     expect((await redis.hkeys(meta)).sort()).toEqual([String(current - 3), String(current)].sort());
   });

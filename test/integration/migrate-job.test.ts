@@ -6,6 +6,7 @@ import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import {
   CLI,
+  clearOfSliceEnd,
   countDelivery,
   declareQueue,
   depthOf,
@@ -160,6 +161,8 @@ describe('migrate: the scheduled job', () => {
   it("sizes a new scope's first slice for what --max-messages lets the run take, not the whole backlog", async () => {
     const { redisUrl } = servers();
     const { names } = await queuesWith(1, 3000, 3000);
+    // The run's IDs are asserted below to fill one slice: the run must not straddle two.
+    await clearOfSliceEnd(redisUrl);
     const run = await migrateWithReport(jobArgs(names, '--max-messages', '100'));
     expect(run.code).toBe(4);
     // Room for 100 IDs is the 16-bucket minimum; the 3,001 in the queue would have taken 47.

@@ -4,6 +4,7 @@ import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import {
+  clearOfSliceEnd,
   countDelivery,
   declareQueue,
   depthOf,
@@ -79,6 +80,8 @@ describe('migrate: once and only once', () => {
       '--report',
       reportPath,
     ];
+    // The run's IDs are asserted below to fill one slice: the run must not straddle two.
+    await clearOfSliceEnd(redisUrl);
     const first = await runCli(args);
     expect(first.stderr).toContain('drained');
     expect(first.code).toBe(0);

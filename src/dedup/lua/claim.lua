@@ -8,6 +8,7 @@
 --                message comes back
 -- ARGV[4]        slice length in ms
 -- ARGV[5]        the IDs' digests, packed (see digest_at in committed.lua)
+-- ARGV[6]        now in ms, or '' for the Redis server's clock (see now_ms in committed.lua)
 -- Reply: one integer per ID
 --   0 new       claimed now
 --   1 dup       already committed: the target holds it
@@ -17,7 +18,7 @@
 -- record never coexist (commit deletes the claim), so the committed IDs are looked up first and a
 -- new ID is claimed with SET NX: one command less for the usual case than reading the claim first.
 -- Our own claim seen again (ioredis re-sends after a reconnect) is renewed and reported as before.
-local now = now_ms()
+local now = now_ms(ARGV[6])
 local meta = KEYS[1]
 local token = ARGV[1]
 local expiry = tostring(now + tonumber(ARGV[2]))

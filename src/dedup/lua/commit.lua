@@ -6,6 +6,7 @@
 -- ARGV[3]        slice length in ms
 -- ARGV[4]        the IDs' digests, packed (see digest_at in committed.lua)
 -- ARGV[5]        IDs a new scope's first slice should have room for (0: no estimate)
+-- ARGV[6]        now in ms, or '' for the Redis server's clock (see now_ms in committed.lua)
 -- Reply: one integer per ID
 --   1 committed   our claim held and is now committed
 --   2 already     it was already committed (a re-sent commit, or another owner finished first)
@@ -14,7 +15,7 @@
 --                 is the duplicate, and nobody forwards the ID again
 --   4 restored    no record at all (Redis lost it): the target confirmed it, so commit it
 -- The claim is deleted in every case: a committed ID needs no claim.
-local now = now_ms()
+local now = now_ms(ARGV[6])
 local meta = KEYS[1]
 local token = ARGV[1]
 local window = tonumber(ARGV[2])

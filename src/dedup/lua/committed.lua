@@ -19,13 +19,16 @@ local GROWTH = 4
 -- that a migration's first run is not split into generations, each a lookup more per new ID.
 local FIRST_BUCKETS = 16
 
-local function now_ms()
+-- The time the script goes by, in ms: the caller's clock when it passes one (its last ARGV, a
+-- test's fixed moment), else ('') the Redis server's, which every process on the scope shares.
+local function now_ms(given)
+  if given ~= nil and given ~= '' then return tonumber(given) end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 -- A number given to redis.call as an argument: Redis 7.2.0-7.2.4 may render a Lua number in
--- exponent form (1.7e+12), which PEXPIREAT refuses. (Joined with '..', Lua 5.1 prints integers
+-- exponent form (1.7e+12), which PEXPIRE refuses. (Joined with '..', Lua 5.1 prints integers
 -- below 1e14 in full.)
 local function int(x)
   return string.format('%d', x)
@@ -111,8 +114,11 @@ local function format_slice(s)
 end
 
 -- Moves a key's expiry to expire_at unless it already lives longer (another writer's window).
+-- expire_at is on the script's clock, which may be the caller's: so the key is given the time left
+-- (PEXPIRE), not the moment (PEXPIREAT), which Redis would read on its own clock.
 local function extend(key, expire_at, now)
-  if redis.call('PTTL', key) < expire_at - now then redis.call('PEXPIREAT', key, int(expire_at)) end
+  local left = expire_at - now
+  if redis.call('PTTL', key) < left then redis.call('PEXPIRE', key, int(left)) end
 end
 
 -- Opens the current slice for writing (creating it from the previous slice's size, or for the

@@ -3,8 +3,9 @@
 -- KEYS[2..n+1]   the claim key of each ID, in the same hash slot: <base>:c:<id>
 -- ARGV[1]        slice length in ms
 -- ARGV[2]        the IDs' digests, packed (see digest_at in committed.lua)
+-- ARGV[3]        now in ms, or '' for the Redis server's clock (see now_ms in committed.lua)
 -- Reply: per ID 1 when something was deleted, else 0
-local now = now_ms()
+local now = now_ms(ARGV[3])
 local meta = KEYS[1]
 -- Every stored slice counts here, whatever window wrote it.
 local slices = read_slices(meta, tonumber(ARGV[1]), now, now)

@@ -2,9 +2,13 @@
 -- KEYS[1..n]  the claim key of each ID, all in one hash slot: <base>:c:<id>
 -- ARGV[1]     owner token of the calling process
 -- ARGV[2]     lease in ms from now
+-- ARGV[3]     now in ms, or '' for the Redis server's clock (as now_ms in committed.lua)
 -- Reply: one integer per key: 1 renewed, 0 no longer ours
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = tonumber(ARGV[3])
+if now == nil then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
 local token = ARGV[1]
 local expiry = tostring(now + tonumber(ARGV[2]))
 local reply = {}
