@@ -3,8 +3,8 @@ import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
-import { coalesceWrites } from './coalesce.js';
 import { classifyConnectError, describe, unreachable } from './errors.js';
+import { AmqplibInternalsError, coalesceWrites, installLosslessReader } from './internals.js';
 
 export interface ConnectOptions {
   /** Names the side in messages and in the broker's connection list: "source" or "target". */
@@ -53,10 +53,12 @@ export async function connectAmqpAny(
       });
       // amqplib rethrows 'error' events that nobody listens to; the caller attaches its own too.
       connection.on('error', () => {});
-      if (!coalesceWrites(connection))
-        options.log.debug('amqplib internals changed: publishes are not coalesced');
+      // Lossless content headers and coalesced writes rely on amqplib internals (pinned version).
+      installLosslessReader(connection);
+      coalesceWrites(connection);
       return { connection, index };
     } catch (error) {
+      if (error instanceof AmqplibInternalsError) throw error;
       const fatal = classifyConnectError(error, where, options.side);
       if (fatal) throw fatal;
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');

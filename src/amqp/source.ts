@@ -1,8 +1,12 @@
-import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message, Options } from 'amqplib';
+import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message } from 'amqplib';
 import { type BridgeError, FatalConnectError } from '../errors.js';
+import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
 import { sleep } from './backoff.js';
 import { accessRefused, replyCodeOf } from './errors.js';
+import { encodeValue, rawField } from './fields.js';
+import { publishRaw } from './internals.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './properties.js';
 
 /** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
 interface AckState {
@@ -31,6 +35,7 @@ function tagged(deliveryTag: number): Message {
 
 /** Matches a parked copy that came back unroutable to its publish. */
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';
+const PARK_HEADERS = [PARK_REASON_HEADER, PARK_SEQ_HEADER];
 
 /**
  * The source side: a consuming channel with manual acks and a prefetch, a probe channel for queue
@@ -77,8 +82,8 @@ export class SourceQueue {
         if (replyCodeOf(error) === 403)
           this.onFatal(accessRefused(`--park-queue: ${this.where}`, error, 'write'));
       });
-      park.on('return', (message) => {
-        const pending = this.parkPending.get(Number(message.properties.headers?.[PARK_SEQ_HEADER]));
+      park.on('return', (message: Message) => {
+        const pending = this.parkPending.get(parkSeqOf(message));
         if (pending) pending.returned = true;
       });
       park.on('close', () => {
@@ -264,18 +269,28 @@ export class SourceQueue {
     const channel = this.parkChannel;
     if (!channel || this.parkQueue === undefined || !this.liveChannelOf(message))
       return Promise.resolve(false);
-    const seq = ++this.parkSeq;
-    const options = publishOptionsOf(message);
-    const headers: Record<string, unknown> = {
-      ...(options.headers ?? {}),
-      'x-dedup-park-reason': reason,
-      [PARK_SEQ_HEADER]: seq,
-    };
-    if (options.userId !== undefined) {
-      // The broker refuses a user_id that is not the publishing user's.
-      headers['x-dedup-source-user-id'] = options.userId;
-      delete options.userId;
+    let header: ContentHeader;
+    try {
+      header = contentHeaderOf(message.properties);
+    } catch (error) {
+      // Its property list cannot be read, so nothing can be added to it: it stays in the source.
+      if (error instanceof ContentHeaderError) return Promise.resolve(false);
+      throw error;
     }
+    const seq = ++this.parkSeq;
+    const userId = header.userIdBytes;
+    const append = [
+      rawField(PARK_REASON_HEADER, encodeValue({ type: 'S', value: Buffer.from(reason, 'utf8') })),
+      rawField(PARK_SEQ_HEADER, encodeValue({ type: 'l', value: BigInt(seq) })),
+    ];
+    // The broker refuses a user_id that is not the publishing user's.
+    if (userId !== undefined)
+      append.push(rawField(SOURCE_USER_HEADER, encodeValue({ type: 'S', value: userId })));
+    const bytes = header.splice({
+      remove: userId !== undefined ? [...PARK_HEADERS, SOURCE_USER_HEADER] : PARK_HEADERS,
+      append,
+      dropUserId: true,
+    });
     const pending = { returned: false };
     this.parkPending.set(seq, pending);
     const parkQueue = this.parkQueue;
@@ -285,7 +300,7 @@ export class SourceQueue {
         resolve(ok);
       };
       try {
-        channel.publish('', parkQueue, message.content, { ...options, headers, mandatory: true }, (error) =>
+        publishRaw(channel, '', parkQueue, bytes, message.content, (error) =>
           done(!error && !pending.returned),
         );
       } catch {
@@ -355,22 +370,14 @@ export async function checkExchangeExists(channel: Channel, exchange: string, wh
   }
 }
 
-/** The publish options that reproduce a delivered message's properties. */
-export function publishOptionsOf(message: ConsumeMessage): Options.Publish {
-  const p = message.properties;
-  const options: Options.Publish = {};
-  if (p.contentType !== undefined) options.contentType = p.contentType;
-  if (p.contentEncoding !== undefined) options.contentEncoding = p.contentEncoding;
-  if (p.deliveryMode !== undefined) options.deliveryMode = p.deliveryMode;
-  if (p.priority !== undefined) options.priority = p.priority;
-  if (p.correlationId !== undefined) options.correlationId = p.correlationId;
-  if (p.replyTo !== undefined) options.replyTo = p.replyTo;
-  if (p.expiration !== undefined) options.expiration = p.expiration;
-  if (p.messageId !== undefined) options.messageId = p.messageId;
-  if (p.timestamp !== undefined) options.timestamp = p.timestamp;
-  if (p.type !== undefined) options.type = p.type;
-  if (p.userId !== undefined) options.userId = p.userId;
-  if (p.appId !== undefined) options.appId = p.appId;
-  if (p.headers !== undefined) options.headers = p.headers;
-  return options;
+/** The park sequence number a returned parked copy carries (0 when none can be read). */
+function parkSeqOf(message: Message): number {
+  try {
+    const header = contentHeaderOf(message.properties);
+    const span = header.field(PARK_SEQ_HEADER);
+    const value = span ? header.valueOf(span) : undefined;
+    return value?.type === 'l' ? Number(value.value) : 0;
+  } catch {
+    return 0;
+  }
 }

@@ -1,8 +1,10 @@
-import type { ChannelModel, ConfirmChannel, Message, Options } from 'amqplib';
-import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
+import type { ChannelModel, ConfirmChannel, Message } from 'amqplib';
+import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
 import type { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
+import { ChannelGoneError, publishRaw } from './internals.js';
+import { ContentHeaderError, contentHeaderOf } from './properties.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** What the target said about one publish. */
@@ -11,7 +13,8 @@ export type PublishOutcome =
   | 'returned' // unroutable: no queue bound for it (basic.return, then confirmed)
   | 'nacked' // the target refused it (e.g. a queue over its length limit with reject-publish)
   | 'lost' // the connection went away before the confirm: the target may or may not hold it
-  | 'killed'; // the broker closed the channel with an error while this was in flight (maybe for it)
+  | 'killed' // the broker closed the channel with an error while this was in flight (maybe for it)
+  | 'unpublishable'; // the bridge cannot publish it as it is (never sent; see lastRefusal)
 
 /** How a channel ended: whether it closed, and whether the broker closed it with an error. */
 interface ChannelEnd {
@@ -36,6 +39,8 @@ export class TargetPublisher {
   private wakeReady: (() => void)[] = [];
   private drained: Promise<void> | undefined;
   private readonly pending = new Map<string, Pending>();
+  /** Why the last 'unpublishable' publish could not be sent. */
+  lastRefusal = '';
   /** Per channel: whether it has closed (then a failed confirm means "lost", not "nacked"). */
   private readonly closedFlags = new WeakMap<ConfirmChannel, ChannelEnd>();
   /** Called when the channel closes under us: the owner reconnects. */
@@ -122,22 +127,24 @@ export class TargetPublisher {
   }
 
   /**
-   * Publishes with `mandatory` and resolves with what the target said. The `_HQ_DUPL_ID` header
-   * must be set: a return is matched to its publish by it. `options` is taken over (and changed).
+   * Publishes a message with `mandatory` and resolves with what the target said. `header` is the
+   * raw content header (property flags and list) to send; `matchKey` is the wire value of its
+   * `_HQ_DUPL_ID` field (see matchKeyOf), by which a returned message is matched to its publish.
    */
   publish(
     exchange: string,
     routingKey: string,
+    header: Buffer,
     content: Buffer,
-    options: Options.Publish,
+    matchKey: string,
   ): Promise<PublishOutcome> {
     // The usual case, connected and not held back, without waiting a turn for ready().
     const channel = this.channel;
     if (channel && !this.blocked && !this.drained && !this.closed) {
-      return this.publishOn(channel, exchange, routingKey, content, options);
+      return this.publishOn(channel, exchange, routingKey, header, content, matchKey);
     }
     return this.ready().then((ready) =>
-      ready ? this.publishOn(ready, exchange, routingKey, content, options) : 'lost',
+      ready ? this.publishOn(ready, exchange, routingKey, header, content, matchKey) : 'lost',
     );
   }
 
@@ -145,12 +152,11 @@ export class TargetPublisher {
     channel: ConfirmChannel,
     exchange: string,
     routingKey: string,
+    header: Buffer,
     content: Buffer,
-    options: Options.Publish,
+    matchKey: string,
   ): Promise<PublishOutcome> {
     const closed = this.closedFlags.get(channel) as ChannelEnd;
-    // The same function reads the header of a returned message, so the keys always agree.
-    const matchKey = keyOfValue(options.headers?.[DUPLICATE_ID_HEADER]) ?? '';
     const pending: Pending = { returned: false };
     this.pending.set(matchKey, pending);
     return new Promise<PublishOutcome>((resolve) => {
@@ -159,8 +165,7 @@ export class TargetPublisher {
         resolve(outcome);
       };
       try {
-        options.mandatory = true;
-        const ok = channel.publish(exchange, routingKey, content, options, (error) => {
+        const ok = publishRaw(channel, exchange, routingKey, header, content, (error) => {
           if (!error) {
             settle(pending.returned ? 'returned' : 'confirmed');
             return;
@@ -171,8 +176,13 @@ export class TargetPublisher {
         });
         if (!ok && !this.drained) this.waitForDrain(channel);
       } catch (error) {
-        // amqplib refuses headers that do not fit its encoding buffer: the target cannot take it.
-        settle(error instanceof RangeError ? 'nacked' : 'lost');
+        if (error instanceof ChannelGoneError) {
+          settle('lost');
+          return;
+        }
+        // Nothing was sent: this message cannot go as it is (a header over frame_max, say).
+        this.lastRefusal = error instanceof Error ? error.message : String(error);
+        settle('unpublishable');
       }
     });
   }
@@ -191,8 +201,7 @@ export class TargetPublisher {
   }
 
   private markReturned(message: Message): void {
-    const key = keyOfValue(message.properties.headers?.[DUPLICATE_ID_HEADER]) ?? '';
-    const pending = this.pending.get(key);
+    const pending = this.pending.get(matchKeyOf(message));
     if (pending) pending.returned = true;
     else this.log.warn('target returned a message the bridge cannot match to a publish');
   }
@@ -201,5 +210,17 @@ export class TargetPublisher {
   close(): void {
     this.closed = true;
     this.wake();
+  }
+}
+
+/** The wire value of a message's `_HQ_DUPL_ID` as a map key ('' when it has none). */
+export function matchKeyOf(message: Message): string {
+  try {
+    const header = contentHeaderOf(message.properties);
+    const span = header.field(DUPLICATE_ID_HEADER);
+    return span ? header.valueBytes(span).toString('latin1') : '';
+  } catch (error) {
+    if (error instanceof ContentHeaderError) return '';
+    throw error;
   }
 }

@@ -22,6 +22,8 @@ export interface RouteCounters {
   returned: number;
   /** Had no ID under any `--id-from` strategy. */
   noId: number;
+  /** Cannot be forwarded as they are: a header table too deeply nested, a header over frame_max. */
+  unforwardable: number;
   /** Had an ID header of a type that cannot be an ID (the next strategy decided). */
   badIdHeader: number;
   /** Deliveries the broker marked as redelivered. */
@@ -45,6 +47,7 @@ export function newCounters(): RouteCounters {
     requeued: 0,
     returned: 0,
     noId: 0,
+    unforwardable: 0,
     badIdHeader: 0,
     redelivered: 0,
     resentInDoubt: 0,

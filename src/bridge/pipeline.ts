@@ -1,16 +1,21 @@
-import type { ConsumeMessage, Options } from 'amqplib';
+import type { ConsumeMessage } from 'amqplib';
 import { backoffDelay, sleep } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
-import { publishOptionsOf, type SourceQueue } from '../amqp/source.js';
+import { encodeValue, rawField } from '../amqp/fields.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
+import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import type { ClaimState, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import { FatalConnectError } from '../errors.js';
+import { IN_DOUBT_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
 
-export const IN_DOUBT_HEADER = 'x-dedup-in-doubt';
+export { IN_DOUBT_HEADER } from '../headers.js';
+
+const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value: true }));
 
 export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
@@ -46,10 +51,14 @@ export interface RouteSettings {
 /** One source message on its way through claim → publish → commit → ack. */
 interface Entry {
   message: ConsumeMessage;
+  /** The content header as the source delivered it (undefined when it cannot be read). */
+  header: ContentHeader | undefined;
   /** Full Redis key; undefined when the message has no ID. */
   key: string | undefined;
-  /** The value written to `_HQ_DUPL_ID` on the target. */
-  idValue: unknown;
+  /** The `_HQ_DUPL_ID` field for the target (its name and value bytes), unless the message's own. */
+  idField: Buffer | undefined;
+  /** The wire value of `_HQ_DUPL_ID` on the target, by which a return is matched to its publish. */
+  matchKey: string;
   state: ClaimState | undefined;
   /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
   leading: boolean;
@@ -57,7 +66,8 @@ interface Entry {
   suspect: number;
 }
 
-type Failure = 'unroutable' | 'nacked' | 'no-id';
+/** Why a message is refused; 'unreadable' and 'unpublishable' come with the detail. */
+type Failure = 'unroutable' | 'nacked' | 'no-id' | 'unreadable' | 'unpublishable';
 
 /** Thrown inside work that a stop abandoned when its time ran out. */
 class Abandoned extends Error {}
@@ -210,14 +220,36 @@ export class Pipeline {
     if (message.fields.redelivered) this.counters.redelivered++;
     if (this.limitReached) void this.source.stopConsuming();
 
-    const headers = message.properties.headers ?? undefined;
+    const blank: Entry = {
+      message,
+      header: undefined,
+      key: undefined,
+      idField: undefined,
+      matchKey: '',
+      state: undefined,
+      leading: false,
+      suspect: 0,
+    };
+    let header: ContentHeader;
+    try {
+      header = contentHeaderOf(message.properties);
+    } catch (error) {
+      if (!(error instanceof ContentHeaderError)) throw error;
+      this.track(this.handleFailure(blank, 'unreadable', error.message));
+      return;
+    }
+    blank.header = header;
+    if (header.tableError !== undefined) {
+      // Its headers cannot be read (nested too deep, say): refused, never a dropped connection.
+      this.track(this.handleFailure(blank, 'unreadable', header.tableError));
+      return;
+    }
     const { id, rejected } = deriveId(
       {
         content: message.content,
         exchange: message.fields.exchange,
         routingKey: message.fields.routingKey,
-        messageId: message.properties.messageId,
-        headers,
+        header,
       },
       this.settings.idFrom,
     );
@@ -230,29 +262,19 @@ export class Pipeline {
     }
     if (!id) {
       this.counters.noId++;
-      const entry: Entry = {
-        message,
-        key: undefined,
-        idValue: undefined,
-        state: undefined,
-        leading: false,
-        suspect: 0,
-      };
       this.log.warn(
         { strategies: this.settings.idFrom.length },
         'message has no ID under any --id-from strategy; it is not forwarded',
       );
-      this.track(this.handleFailure(entry, 'no-id'));
+      this.track(this.handleFailure(blank, 'no-id'));
       return;
     }
     const key = this.cache.keyOf(id.key);
     const entry: Entry = {
-      message,
+      ...blank,
       key,
-      idValue: id.headerValue,
-      state: undefined,
-      leading: false,
-      suspect: 0,
+      idField: id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value),
+      matchKey: id.value.toString('latin1'),
     };
     const waiting = this.inFlight.get(key);
     if (waiting) {
@@ -333,13 +355,14 @@ export class Pipeline {
 
     const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
     const confirmed: Entry[] = [];
-    const refused: [Entry, Failure][] = [];
+    const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
     toPublish.forEach((entry, index) => {
       const outcome = outcomes[index] as PublishOutcome;
       if (outcome === 'confirmed') confirmed.push(entry);
       else if (outcome === 'returned') refused.push([entry, 'unroutable']);
       else if (outcome === 'nacked') refused.push([entry, 'nacked']);
+      else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', this.target.lastRefusal]);
       else lost.push(entry);
     });
 
@@ -372,7 +395,7 @@ export class Pipeline {
       await this.redis('release', () => this.cache.release(keysOf(false)));
       await this.redis('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
       for (const entry of refusedEntries) this.claimed.delete(entry);
-      await Promise.all(refused.map(([entry, why]) => this.handleFailure(entry, why)));
+      await Promise.all(refused.map(([entry, why, detail]) => this.handleFailure(entry, why, detail)));
     }
 
     if (lost.length > 0) {
@@ -408,7 +431,7 @@ export class Pipeline {
   /** The rest of publishUntilAnswered, after a first publish was lost or its channel killed. */
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
     let outcome = firstOutcome;
-    for (;;) {
+    for (let attempt = 1; ; attempt++) {
       if (outcome === 'killed' && !this.abandoned) {
         entry.suspect++;
         if (entry.suspect >= 2) {
@@ -424,6 +447,9 @@ export class Pipeline {
         entry.state = 'in-doubt';
         this.counters.resentInDoubt++;
       }
+      // A publish lost at once again (a channel that is gone but not yet replaced) must not spin:
+      // back off, which also lets the event loop run the reconnect, signals and health checks.
+      await sleep(backoffDelay(attempt, 10, 1000));
       outcome = await this.publishOnce(entry);
     }
   }
@@ -446,31 +472,50 @@ export class Pipeline {
     return turn;
   }
 
+  /**
+   * Publishes the message with its content header as the source delivered it, changed only as
+   * documented: `_HQ_DUPL_ID` set when the ID came from elsewhere, `x-dedup-in-doubt` removed or
+   * added, and a `user_id` the target would refuse moved to a header.
+   */
   private publish(entry: Entry): Promise<PublishOutcome> {
     const message = entry.message;
-    const options: Options.Publish = publishOptionsOf(message);
-    const headers: Record<string, unknown> = { ...(options.headers ?? {}) };
-    delete headers[IN_DOUBT_HEADER];
-    headers[DUPLICATE_ID_HEADER] = entry.idValue;
-    if (entry.state === 'in-doubt') headers[IN_DOUBT_HEADER] = true;
-    if (options.userId !== undefined && options.userId !== this.settings.targetUser) {
-      // RabbitMQ refuses a user_id that is not the publishing user; keep it as a header instead.
-      headers['x-dedup-source-user-id'] = options.userId;
-      delete options.userId;
+    const header = entry.header as ContentHeader;
+    const remove = [IN_DOUBT_HEADER];
+    const append: Buffer[] = [];
+    if (entry.idField) {
+      remove.push(DUPLICATE_ID_HEADER);
+      append.push(entry.idField);
     }
-    options.headers = headers;
+    const userId = header.userIdBytes;
+    const foreignUser = userId !== undefined && userId.toString('utf8') !== this.settings.targetUser;
+    if (foreignUser) {
+      // RabbitMQ refuses a user_id that is not the publishing user; keep it as a header instead.
+      remove.push(SOURCE_USER_HEADER);
+      append.push(rawField(SOURCE_USER_HEADER, encodeValue({ type: 'S', value: userId })));
+    }
+    if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
+    const bytes = header.splice({ remove, append, dropUserId: foreignUser });
     const routingKey = this.settings.targetRoutingKey ?? message.fields.routingKey;
-    return this.target.publish(this.settings.targetExchange, routingKey, message.content, options);
+    return this.target.publish(
+      this.settings.targetExchange,
+      routingKey,
+      bytes,
+      message.content,
+      entry.matchKey,
+    );
   }
 
   /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
-  private async handleFailure(entry: Entry, why: Failure): Promise<void> {
+  private async handleFailure(entry: Entry, why: Failure, detail?: string): Promise<void> {
     if (why === 'unroutable') this.counters.unroutable++;
     if (why === 'nacked') this.counters.nacked++;
+    if (why === 'unreadable' || why === 'unpublishable') this.counters.unforwardable++;
+    if (detail !== undefined) this.log.warn({ reason: why, detail }, `message refused: ${detail}`);
     this.failuresSinceProgress++;
     const { onUnroutable, parkQueue } = this.settings;
+    const reason = detail === undefined ? why : `${why}: ${detail}`;
     if (onUnroutable === 'park' && parkQueue !== undefined) {
-      if (await this.source.park(entry.message, why)) {
+      if (await this.source.park(entry.message, reason)) {
         this.counters.parked++;
         this.progress();
         this.log.warn({ reason: why, parkQueue }, 'message parked');

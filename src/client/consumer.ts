@@ -1,10 +1,12 @@
 import type { Channel, ConsumeMessage } from 'amqplib';
 import type { ChainableCommander } from 'ioredis';
 import { backoffDelay, sleep } from '../amqp/backoff.js';
-import { IN_DOUBT_HEADER } from '../bridge/pipeline.js';
+import { installLosslessReaderFor } from '../amqp/internals.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import { DedupCache, newOwnerToken } from '../dedup/cache.js';
-import { DUPLICATE_ID_HEADER, keyOfValue } from '../dedup/id.js';
+import { DUPLICATE_ID_HEADER, keyOfField } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
+import { IN_DOUBT_HEADER } from '../headers.js';
 
 export interface HandlerContext {
   /** The message's ID, as the cache keys it (the same bytes give the same ID, string or Buffer). */
@@ -56,6 +58,9 @@ export async function createIdempotentConsumer(
   options: IdempotentConsumerOptions,
 ): Promise<IdempotentConsumer> {
   const { channel, queue, redis, scope, handler } = options;
+  // IDs are keyed by their bytes on the wire, as the bridge keys them (amqplib's decoded headers
+  // lose 64-bit precision and bytes that are not UTF-8): read this connection's headers raw.
+  installLosslessReaderFor(channel);
   const prefix = options.prefix ?? 'dedup';
   const leaseMs = options.leaseMs ?? 30_000;
   const cache = await DedupCache.open(redis, {
@@ -74,7 +79,7 @@ export async function createIdempotentConsumer(
   let stopping = false;
 
   const handle = async (message: ConsumeMessage): Promise<void> => {
-    const idKey = keyOfValue(message.properties.headers?.[DUPLICATE_ID_HEADER]);
+    const idKey = idKeyOf(message);
     if (idKey === undefined) {
       counts.withoutId++;
       await runHandler(message, undefined, idKey);
@@ -181,4 +186,17 @@ export async function createIdempotentConsumer(
       await Promise.allSettled([...running]);
     },
   };
+}
+
+/** The cache key of a message's `_HQ_DUPL_ID`, from its bytes on the wire, as the bridge keys it. */
+function idKeyOf(message: ConsumeMessage): string | undefined {
+  let header: ContentHeader;
+  try {
+    header = contentHeaderOf(message.properties);
+  } catch (error) {
+    if (error instanceof ContentHeaderError) return undefined;
+    throw error;
+  }
+  const span = header.field(DUPLICATE_ID_HEADER);
+  return span ? keyOfField(header.valueOf(span)) : undefined;
 }

@@ -1,11 +1,15 @@
+import { isUtf8 } from 'node:buffer';
 import { createHash } from 'node:crypto';
 import { v5 as uuidv5 } from 'uuid';
+import { encodeValue, type FieldValue } from '../amqp/fields.js';
+import type { ContentHeader } from '../amqp/properties.js';
 import { ConfigError } from '../errors.js';
+import { DUPLICATE_ID_HEADER } from '../headers.js';
 
 /** Where a message's dedup ID comes from; `--id-from` is an ordered list of these. */
 export type IdStrategy = { kind: 'header'; name: string } | { kind: 'message-id' } | { kind: 'content' };
 
-export const DUPLICATE_ID_HEADER = '_HQ_DUPL_ID';
+export { DUPLICATE_ID_HEADER };
 export const DEFAULT_ID_FROM = 'header:_HQ_DUPL_ID,header:_AMQ_DUPL_ID,message-id,content';
 
 /** IDs longer than this many bytes are keyed by their SHA-256, so keys stay small. */
@@ -45,20 +49,24 @@ export function describeStrategy(strategy: IdStrategy): string {
   return strategy.kind === 'header' ? `header:${strategy.name}` : strategy.kind;
 }
 
-/** The parts of an AMQP message the ID strategies look at. */
+/** The parts of an AMQP message the ID strategies look at: its raw content header among them. */
 export interface IdSource {
   content: Buffer;
   exchange: string;
   routingKey: string;
-  messageId?: string | undefined;
-  headers?: Record<string, unknown> | undefined;
+  header: ContentHeader;
 }
 
 export interface DedupId {
   /** The cache key of the ID (without prefix and scope). */
   key: string;
-  /** What to put in `_HQ_DUPL_ID` on the target: the header's own value, or the key. */
-  headerValue: unknown;
+  /**
+   * What `_HQ_DUPL_ID` carries on the target, as field value bytes (type tag and value): the ID
+   * header's own bytes, or the key as a long string for IDs from the message ID or the content.
+   */
+  value: Buffer;
+  /** True when the ID is the message's own `_HQ_DUPL_ID`, which then travels untouched. */
+  own: boolean;
   strategy: string;
 }
 
@@ -71,36 +79,93 @@ export interface IdResult {
 /** Applies the strategies in order; the first that the message has wins. */
 export function deriveId(message: IdSource, strategies: readonly IdStrategy[]): IdResult {
   const rejected: string[] = [];
+  const header = message.header;
   for (const strategy of strategies) {
     if (strategy.kind === 'header') {
-      const value = message.headers?.[strategy.name];
-      if (value === undefined) continue;
-      const key = keyOfValue(value);
+      const span = header.field(strategy.name);
+      if (span === undefined) continue;
+      const value = header.valueOf(span);
+      const key = keyOfField(value);
       if (key === undefined) {
         rejected.push(`header:${strategy.name} (${typeName(value)})`);
         continue;
       }
-      return { id: { key, headerValue: value, strategy: `header:${strategy.name}` }, rejected };
+      return {
+        id: {
+          key,
+          value: header.valueBytes(span),
+          own: strategy.name === DUPLICATE_ID_HEADER,
+          strategy: `header:${strategy.name}`,
+        },
+        rejected,
+      };
     }
     if (strategy.kind === 'message-id') {
-      if (!message.messageId) continue;
-      const key = keyOfText(message.messageId);
-      return { id: { key, headerValue: key, strategy: 'message-id' }, rejected };
+      const bytes = header.messageIdBytes;
+      if (bytes === undefined || bytes.length === 0) continue;
+      const key = keyOfBytes(bytes);
+      return { id: { key, value: longString(key), own: false, strategy: 'message-id' }, rejected };
     }
     const key = contentId(message);
-    return { id: { key, headerValue: key, strategy: 'content' }, rejected };
+    return { id: { key, value: longString(key), own: false, strategy: 'content' }, rejected };
   }
   return { id: undefined, rejected };
 }
 
-/** The cache key of a header value, or undefined when the type cannot be an ID. */
+function longString(text: string): Buffer {
+  return encodeValue({ type: 'S', value: Buffer.from(text, 'utf8') });
+}
+
+/**
+ * The cache key of a field value as it came off the wire, or undefined when its type cannot be an
+ * ID. Long strings and byte arrays by their bytes (valid UTF-8 is the same ID as that text);
+ * integers of every width, and finite floats, by their exact numeric value (so `I 42`, `l 42` and
+ * `d 42.0` are one ID, `f 0.1` and `d 0.1` are two); booleans as such. Void, tables, arrays,
+ * decimals, timestamps, NaN and infinities are not IDs.
+ */
+export function keyOfField(value: FieldValue): string | undefined {
+  switch (value.type) {
+    case 'S':
+    case 'x':
+      return value.value.length > 0 ? keyOfBytes(value.value) : undefined;
+    case 'b':
+    case 'B':
+    case 's':
+    case 'u':
+    case 'I':
+    case 'i':
+    case 'f':
+    case 'd':
+      return keyOfNumber(value.value);
+    case 'l':
+      return `num:${value.value}`;
+    case 't':
+      return `bool:${value.value}`;
+    default:
+      return undefined;
+  }
+}
+
+/**
+ * The cache key of an ID given as a JavaScript value (the library's producers, the cache tools): it
+ * is the key the bridge computes for the field amqplib encodes from that value.
+ */
 export function keyOfValue(value: unknown): string | undefined {
   if (typeof value === 'string') return value.length > 0 ? keyOfText(value) : undefined;
   if (Buffer.isBuffer(value)) return value.length > 0 ? keyOfBytes(value) : undefined;
-  if (typeof value === 'number' && Number.isFinite(value)) return capLength(`num:${value}`);
-  if (typeof value === 'bigint') return capLength(`num:${value}`);
+  if (typeof value === 'number') return keyOfNumber(value);
+  if (typeof value === 'bigint') return `num:${value}`;
   if (typeof value === 'boolean') return `bool:${value}`;
   return undefined;
+}
+
+// A number's exact value: integers as digits (exact beyond 2^53 too), other finite values as the
+// shortest text that reads back as the same double, which never looks like an integer.
+function keyOfNumber(value: number): string | undefined {
+  if (!Number.isFinite(value)) return undefined;
+  if (Object.is(value, -0)) return 'num:-0';
+  if (Number.isInteger(value)) return `num:${Number.isSafeInteger(value) ? value : BigInt(value)}`;
+  return `num:${value}`;
 }
 
 function keyOfText(text: string): string {
@@ -110,11 +175,10 @@ function keyOfText(text: string): string {
   return capLength(text);
 }
 
-// The same bytes give the same key whether they arrive as a string or a Buffer: bytes that are
-// valid UTF-8 are keyed as that text, others by their hex form.
-function keyOfBytes(bytes: Buffer): string {
-  const text = bytes.toString('utf8');
-  if (Buffer.from(text, 'utf8').equals(bytes)) return keyOfText(text);
+// The same bytes give the same key whether they arrive as a long string or a byte array: bytes
+// that are valid UTF-8 are keyed as that text, others by their hex form.
+export function keyOfBytes(bytes: Buffer): string {
+  if (isUtf8(bytes)) return keyOfText(bytes.toString('utf8'));
   return capLength(`bytes:${bytes.toString('hex')}`);
 }
 
@@ -123,28 +187,37 @@ function capLength(key: string): string {
   return `sha256:${createHash('sha256').update(key, 'utf8').digest('hex')}`;
 }
 
-function typeName(value: unknown): string {
-  if (value === null) return 'void';
-  if (typeof value === 'string' || Buffer.isBuffer(value)) return 'empty';
-  if (Array.isArray(value)) return 'array';
-  if (typeof value === 'object') {
-    const tagged = (value as Record<string, unknown>)['!'];
-    return typeof tagged === 'string' ? tagged : 'table';
-  }
-  return typeof value;
+const TYPE_NAMES: Record<string, string> = {
+  V: 'void',
+  F: 'table',
+  A: 'array',
+  D: 'decimal',
+  T: 'timestamp',
+};
+
+function typeName(value: FieldValue): string {
+  if (value.type === 'S' || value.type === 'x') return 'empty';
+  if (value.type === 'f' || value.type === 'd') return Number.isNaN(value.value) ? 'NaN' : 'infinite';
+  return TYPE_NAMES[value.type] ?? value.type;
 }
 
-/** UUIDv5 of a SHA-256 over body, exchange, routing key and the stable headers. */
+/**
+ * UUIDv5 of a SHA-256 over body, exchange, routing key and the stable headers. Every field is hashed
+ * with its type and exact value; the forms are those of earlier versions wherever those were exact,
+ * so content IDs committed by them still match.
+ */
 export function contentId(message: IdSource): string {
   const hash = createHash('sha256');
   hash.update(`${message.exchange.length}:${message.exchange}\n`);
   hash.update(`${message.routingKey.length}:${message.routingKey}\n`);
-  const headers = message.headers ?? {};
-  for (const name of Object.keys(headers).sort()) {
-    if (VOLATILE_HEADER.test(name)) continue;
-    hash.update(`${name.length}:${name}=`);
-    hashValue(hash, headers[name]);
-  }
+  const header = message.header;
+  const fields = (header.fields ?? [])
+    .filter((span) => !VOLATILE_HEADER.test(span.name))
+    .map((span) => ({
+      name: header.bytes.subarray(span.start + 1, span.valueAt),
+      value: () => header.valueOf(span),
+    }));
+  hashFields(hash, fields);
   hash.update(`body:${message.content.length}\n`);
   hash.update(message.content);
   return uuidv5(hash.digest(), CONTENT_NAMESPACE);
@@ -152,27 +225,89 @@ export function contentId(message: IdSource): string {
 
 type Hash = ReturnType<typeof createHash>;
 
-// A typed, length-prefixed encoding, so that distinct header sets never hash alike.
-function hashValue(hash: Hash, value: unknown): void {
-  if (Buffer.isBuffer(value)) {
-    hash.update(`x${value.length}:`);
-    hash.update(value);
-  } else if (typeof value === 'string') {
-    hash.update(`s${Buffer.byteLength(value)}:${value}`);
-  } else if (Array.isArray(value)) {
-    hash.update(`a${value.length}[`);
-    for (const item of value) hashValue(hash, item);
-    hash.update(']');
-  } else if (value !== null && typeof value === 'object') {
-    const table = value as Record<string, unknown>;
-    const keys = Object.keys(table).sort();
-    hash.update(`t${keys.length}{`);
-    for (const key of keys) {
-      hash.update(`${key.length}:${key}=`);
-      hashValue(hash, table[key]);
-    }
-    hash.update('}');
-  } else {
-    hash.update(`${typeof value}:${String(value)};`);
+interface HashedField {
+  name: Buffer;
+  value: () => FieldValue;
+}
+
+// Fields sorted by name; a name given once is hashed as before, a repeated one each time.
+function hashFields(hash: Hash, fields: HashedField[]): void {
+  const byName = new Map<string, HashedField[]>();
+  for (const field of fields) {
+    const name = isUtf8(field.name)
+      ? field.name.toString('utf8')
+      : `\u0000bytes:${field.name.toString('hex')}`;
+    const same = byName.get(name);
+    if (same) same.push(field);
+    else byName.set(name, [field]);
   }
+  for (const name of [...byName.keys()].sort()) {
+    for (const field of byName.get(name) as HashedField[]) {
+      hash.update(`${name.length}:${name}=`);
+      hashValue(hash, field.value());
+    }
+  }
+}
+
+// A typed, length-prefixed encoding, so that distinct header sets never hash alike.
+function hashValue(hash: Hash, value: FieldValue): void {
+  switch (value.type) {
+    case 'x':
+      hash.update(`x${value.value.length}:`);
+      hash.update(value.value);
+      return;
+    case 'S':
+      if (isUtf8(value.value)) {
+        hash.update(`s${value.value.length}:`);
+      } else {
+        hash.update(`S${value.value.length}:`);
+      }
+      hash.update(value.value);
+      return;
+    case 'A':
+      hash.update(`a${value.value.length}[`);
+      for (const item of value.value) hashValue(hash, item);
+      hash.update(']');
+      return;
+    case 'F': {
+      const names = new Set(value.value.map((field) => field.name.toString('hex')));
+      hash.update(`t${names.size}{`);
+      hashFields(
+        hash,
+        value.value.map((field) => ({ name: field.name, value: () => field.value })),
+      );
+      hash.update('}');
+      return;
+    }
+    case 'D':
+      hash.update(
+        `t2{1:!=s7:decimal5:value=t2{6:digits=number:${value.digits};6:places=number:${value.places};}}`,
+      );
+      return;
+    case 'T':
+      hash.update(`t2{1:!=s9:timestamp5:value=${integerForm(value.value)}}`);
+      return;
+    case 'l':
+      hash.update(integerForm(value.value));
+      return;
+    case 't':
+      hash.update(`boolean:${value.value};`);
+      return;
+    case 'V':
+      hash.update('object:null;');
+      return;
+    case 'f':
+    case 'd':
+      if (Object.is(value.value, -0)) hash.update('number:-0;');
+      else if (Number.isInteger(value.value)) hash.update(`double:${BigInt(value.value)};`);
+      else hash.update(`number:${value.value};`);
+      return;
+    default:
+      hash.update(`number:${value.value};`);
+  }
+}
+
+function integerForm(value: bigint): string {
+  const n = Number(value);
+  return Number.isSafeInteger(n) ? `number:${n};` : `bigint:${value};`;
 }

@@ -1,5 +1,6 @@
 import type { ConsumeMessage } from 'amqplib';
 import { connectAmqp } from '../amqp/connect.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import { checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { redactUrl } from '../config/redact.js';
@@ -59,14 +60,26 @@ export async function dryRunQueue(
       windowMs: settings.dedupWindowMs,
     });
     const seen = new Set<string>();
+    const unreadable = new Set<ConsumeMessage>();
     const keys: (string | undefined)[] = messages.map((message) => {
+      let header: ContentHeader;
+      try {
+        header = contentHeaderOf(message.properties);
+      } catch (error) {
+        if (!(error instanceof ContentHeaderError)) throw error;
+        unreadable.add(message);
+        return undefined;
+      }
+      if (header.tableError !== undefined) {
+        unreadable.add(message);
+        return undefined;
+      }
       const { id, rejected } = deriveId(
         {
           content: message.content,
           exchange: message.fields.exchange,
           routingKey: message.fields.routingKey,
-          messageId: message.properties.messageId,
-          headers: message.properties.headers ?? undefined,
+          header,
         },
         settings.idFrom,
       );
@@ -77,13 +90,14 @@ export async function dryRunQueue(
     const withId = keys.filter((key): key is string => key !== undefined);
     const records = cache && withId.length > 0 ? await cache.lookup(withId) : [];
     const committed = new Set(withId.filter((_, index) => records[index]?.state === 'committed'));
-    for (const key of keys) {
+    keys.forEach((key, index) => {
       counters.consumed++;
-      if (key === undefined) counters.noId++;
+      if (unreadable.has(messages[index] as ConsumeMessage)) counters.unforwardable++;
+      else if (key === undefined) counters.noId++;
       else if (committed.has(key) || seen.has(key)) counters.duplicates++;
       else counters.forwarded++;
       if (key !== undefined) seen.add(key);
-    }
+    });
     // Closing the channel gives every message back to the queue, in its order.
     await channel.close();
     const report = buildQueueReport({
@@ -96,7 +110,8 @@ export async function dryRunQueue(
       activeMs: Date.now() - started,
     });
     // Here "forwarded" means "would be forwarded"; every message read was given back.
-    report.accounted = counters.consumed === counters.forwarded + counters.duplicates + counters.noId;
+    report.accounted =
+      counters.consumed === counters.forwarded + counters.duplicates + counters.noId + counters.unforwardable;
     return report;
   } finally {
     await connection.close().catch(() => {});

@@ -91,7 +91,7 @@ export async function migrateQueue(
       outcome = 'stalled';
       problem =
         `${settings.sourceQueue}: ${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
-        `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID); ` +
+        `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID, ${pipeline.counters.unforwardable} unforwardable); ` +
         'they stay in the source queue: fix the target binding, or use --park-queue or --on-unroutable dead-letter';
     } else {
       const depth = pipeline.heldCount === 0 ? await source.depth() : undefined;

@@ -22,6 +22,8 @@ export interface QueueReport {
   requeued: number;
   returned: number;
   noId: number;
+  /** Messages that cannot be forwarded as they are (an unreadable header table, say). */
+  unforwardable: number;
   /** Deliveries taken from the source queue. */
   consumed: number;
   /** True when every consumed delivery is accounted for by one of the outcomes above. */
@@ -45,6 +47,7 @@ const COUNTS = [
   'requeued',
   'returned',
   'noId',
+  'unforwardable',
   'consumed',
 ] as const;
 
@@ -85,6 +88,7 @@ export function buildQueueReport(input: {
     requeued: counters.requeued,
     returned: counters.returned,
     noId: counters.noId,
+    unforwardable: counters.unforwardable,
     consumed: counters.consumed,
     accounted: settled === counters.consumed,
     remaining: input.remaining ?? null,

@@ -30,6 +30,11 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
   ['requeued', 'requeued_total', 'Messages returned to the source queue to be retried'],
   ['redelivered', 'redelivered_total', 'Deliveries the source broker marked as redelivered'],
   ['noId', 'no_id_total', 'Messages without an ID under any --id-from strategy'],
+  [
+    'unforwardable',
+    'unforwardable_total',
+    'Messages the bridge cannot forward as they are (an unreadable header table, a header over frame_max)',
+  ],
   ['resentInDoubt', 'resent_in_doubt_total', 'Publishes lost with the target connection and sent again'],
   [
     'claimTakenOver',

@@ -4,7 +4,7 @@ import { connectAmqp } from '../../src/amqp/connect.js';
 import { createLogger } from '../../src/observe/log.js';
 import { depthOf, servers, takeAll, uniqueName } from '../helpers.js';
 
-// The bridge's connections send a burst of publishes in one socket write (src/amqp/coalesce.ts,
+// The bridge's connections send a burst of publishes in one socket write (src/amqp/internals.ts,
 // which relies on amqplib internals): this fails if an amqplib upgrade moved them.
 describe('write coalescing', () => {
   it('sends a burst of publishes in a few socket writes, every message intact and in order', async () => {

@@ -1,0 +1,290 @@
+import { createRequire } from 'node:module';
+import { dirname, join } from 'node:path';
+import type { Channel, ChannelModel } from 'amqplib';
+import { RuntimeFailure } from '../errors.js';
+import { propertiesFor } from './properties.js';
+
+/**
+ * Every amqplib internal the bridge relies on, in one place, for the exact version pinned in
+ * package.json. amqplib decodes each field table into JavaScript values and re-encodes them by
+ * guessing their types, which loses types, 64-bit precision and bytes that are not UTF-8; so the
+ * bridge reads each content header as raw bytes and writes its publishes as frames of its own.
+ * `checkAmqplib()` runs at start and names the version when these are not as expected.
+ */
+
+export const AMQPLIB_VERSION = '2.3.1';
+
+const require = createRequire(import.meta.url);
+// amqplib's package "exports" hide lib/; its own files are reached by path, the same modules
+// amqplib itself loaded.
+const amqplibDir = dirname(require.resolve('amqplib'));
+
+interface FrameModule {
+  parseFrame(
+    rest: Buffer,
+    max: number,
+  ): { type: number; channel: number; payload: Buffer; rest: Buffer } | false;
+  decodeFrame(frame: unknown): unknown;
+}
+
+interface ChannelRecord {
+  channel: unknown;
+  buffer: { write(chunk: Buffer): boolean };
+}
+
+/** amqplib's Connection (the object behind a ChannelModel). */
+interface Connection {
+  rest: Buffer;
+  maxFrameSize: number;
+  frameMax: number;
+  stream: { read(): Buffer | null; cork?(): void; uncork?(): void };
+  recvSinceLastCheck: boolean;
+  sentSinceLastCheck: boolean;
+  channels: (ChannelRecord | undefined)[];
+  recvFrame(): unknown;
+  muxer: { _readIncoming(): void };
+}
+
+/** amqplib's Channel, as the bridge uses it. */
+interface ChannelInternals {
+  ch: number;
+  connection: Connection;
+  pushConfirmCallback(callback: (error: unknown) => void): void;
+}
+
+/** amqplib is not the version, or not shaped as, this build expects. */
+export class AmqplibInternalsError extends RuntimeFailure {
+  constructor(what: string) {
+    super(
+      `amqplib ${installedVersion()} is not as dedup-bridge expects (${what}); install the pinned amqplib ${AMQPLIB_VERSION} (npm ci)`,
+    );
+    this.name = 'AmqplibInternalsError';
+  }
+}
+
+function installedVersion(): string {
+  try {
+    return (require(join(amqplibDir, 'package.json')) as { version: string }).version;
+  } catch {
+    return '(unknown version)';
+  }
+}
+
+let frameModule: FrameModule | undefined;
+
+function frames(): FrameModule {
+  if (!frameModule) {
+    const loaded = require(join(amqplibDir, 'lib', 'frame.js')) as Partial<FrameModule>;
+    if (typeof loaded.parseFrame !== 'function' || typeof loaded.decodeFrame !== 'function') {
+      throw new AmqplibInternalsError('lib/frame.js has no parseFrame/decodeFrame');
+    }
+    frameModule = loaded as FrameModule;
+  }
+  return frameModule;
+}
+
+function connectionOf(model: ChannelModel): Connection {
+  return (model as unknown as { connection: Connection }).connection;
+}
+
+/** Fails with one clear line when amqplib is not the version whose internals this build uses. */
+export function checkAmqplib(model?: ChannelModel): void {
+  const version = installedVersion();
+  if (version !== AMQPLIB_VERSION) throw new AmqplibInternalsError(`version ${version}`);
+  frames();
+  if (!model) return;
+  const connection = connectionOf(model) as Partial<Connection> | undefined;
+  const missing = [
+    ['connection', connection],
+    ['connection.rest', connection?.rest],
+    ['connection.stream', connection?.stream],
+    ['connection.channels', connection?.channels],
+    ['connection.recvFrame', connection?.recvFrame],
+    ['connection.muxer', connection?.muxer?._readIncoming],
+    ['connection.frameMax', connection?.frameMax],
+  ].find(([, value]) => value === undefined);
+  if (missing) throw new AmqplibInternalsError(`no ${missing[0]}`);
+}
+
+const FRAME_METHOD = 1;
+const FRAME_HEADER = 2;
+const FRAME_BODY = 3;
+const FRAME_END = 0xce;
+const BASIC_CLASS = 60;
+const BASIC_PUBLISH = 40;
+/** Frame type, channel and size before a payload, and the end octet after it. */
+const FRAME_OVERHEAD = 8;
+
+/**
+ * Makes a connection read every message's content header as raw bytes: `message.properties` are
+ * then amqplib's (headers decoded only when read) with the exact bytes attached (see
+ * properties.ts). A header that cannot be decoded no longer drops the connection: the message
+ * arrives, marked unreadable, and the bridge refuses it with the reason.
+ */
+export function installLosslessReader(model: ChannelModel): void {
+  checkAmqplib(model);
+  readLosslessly(connectionOf(model));
+}
+
+/** The same, for the connection of a channel an application opened (the idempotent consumer). */
+export function installLosslessReaderFor(channel: Channel): void {
+  checkAmqplib();
+  const connection = (channel as unknown as Partial<ChannelInternals>).connection;
+  if (typeof connection?.recvFrame !== 'function' || connection.rest === undefined) {
+    throw new AmqplibInternalsError('a channel has no connection.recvFrame');
+  }
+  readLosslessly(connection);
+}
+
+const LOSSLESS = Symbol('dedup-bridge.lossless-reader');
+
+function readLosslessly(connection: Connection): void {
+  const marked = connection as Connection & { [LOSSLESS]?: true };
+  if (marked[LOSSLESS]) return;
+  marked[LOSSLESS] = true;
+  const { parseFrame, decodeFrame } = frames();
+  connection.recvFrame = function recvFrame(this: Connection) {
+    for (;;) {
+      const frame = parseFrame(this.rest, this.maxFrameSize);
+      if (!frame) {
+        const incoming = this.stream.read();
+        if (incoming === null) return false;
+        this.recvSinceLastCheck = true;
+        this.rest = this.rest.length === 0 ? incoming : Buffer.concat([this.rest, incoming]);
+        continue;
+      }
+      this.rest = frame.rest;
+      const payload = frame.payload;
+      if (frame.type === FRAME_HEADER && payload.length >= 14 && payload.readUInt16BE(0) === BASIC_CLASS) {
+        return {
+          id: BASIC_CLASS,
+          channel: frame.channel,
+          size: Number(payload.readBigUInt64BE(4)),
+          // A copy: the payload is a view of the whole socket read.
+          fields: propertiesFor(Buffer.from(payload.subarray(12))),
+        };
+      }
+      return decodeFrame(frame);
+    }
+  };
+}
+
+/**
+ * Sends the frames of one write cycle in one socket write. amqplib writes every frame to the
+ * socket on its own: with Nagle off that is a system call and a TCP segment per publish, which
+ * costs the bridge and the receiving broker more CPU than the publish itself. Corking the socket
+ * around the muxer's loop turns a burst of publishes into one writev, without delaying any frame.
+ */
+export function coalesceWrites(model: ChannelModel): void {
+  checkAmqplib(model);
+  const connection = connectionOf(model);
+  const socket = connection.stream;
+  if (typeof socket.cork !== 'function' || typeof socket.uncork !== 'function') {
+    throw new AmqplibInternalsError('the socket cannot be corked');
+  }
+  const muxer = connection.muxer;
+  const readIncoming = muxer._readIncoming.bind(muxer);
+  muxer._readIncoming = () => {
+    socket.cork?.();
+    try {
+      readIncoming();
+    } finally {
+      socket.uncork?.();
+    }
+  };
+}
+
+/** The channel was closed, or is closing: the publish was not sent. */
+export class ChannelGoneError extends Error {}
+
+/** The message cannot be published as it is (its content header does not fit a frame). */
+export class UnpublishableError extends Error {}
+
+/**
+ * Publishes a message whose content header is given as raw bytes (property flags and list), on a
+ * channel of a connection the bridge opened. With `onConfirm`, the channel must be a confirm
+ * channel: the callback gets null for an ack, an error for a nack or a closed channel, exactly as
+ * amqplib's own publish. Returns false when the channel's buffer is full (wait for 'drain').
+ */
+export function publishRaw(
+  channel: Channel,
+  exchange: string,
+  routingKey: string,
+  header: Buffer,
+  content: Buffer,
+  onConfirm?: (error: unknown) => void,
+): boolean {
+  const internals = channel as unknown as ChannelInternals;
+  const connection = internals.connection;
+  const record = connection.channels[internals.ch];
+  // amqplib replaces a closing or closed channel's send functions with ones that throw.
+  if (record?.channel !== channel || Object.hasOwn(channel, 'sendMessage')) {
+    throw new ChannelGoneError('channel closed');
+  }
+  const exchangeBytes = Buffer.from(exchange, 'utf8');
+  const keyBytes = Buffer.from(routingKey, 'utf8');
+  if (exchangeBytes.length > 255 || keyBytes.length > 255) {
+    throw new UnpublishableError('exchange or routing key longer than 255 bytes');
+  }
+  const headerPayload = 12 + header.length;
+  const maxPayload = connection.frameMax - FRAME_OVERHEAD;
+  if (headerPayload > maxPayload) {
+    throw new UnpublishableError(
+      `its content header (${headerPayload} bytes) does not fit the target's frame_max (${connection.frameMax} bytes)`,
+    );
+  }
+  const methodPayload = 4 + 2 + 1 + exchangeBytes.length + 1 + keyBytes.length + 1;
+  const methodAndHeader = FRAME_OVERHEAD * 2 + methodPayload + headerPayload;
+  const bodyFrames = content.length === 0 ? 0 : Math.ceil(content.length / maxPayload);
+  const total = methodAndHeader + content.length + bodyFrames * FRAME_OVERHEAD;
+  const ch = internals.ch;
+  // Small messages in one buffer (one write); large bodies a frame at a time, as amqplib does.
+  const small = total <= 65536;
+  const out = Buffer.allocUnsafe(small ? total : methodAndHeader);
+  let p = frameStart(out, 0, FRAME_METHOD, ch, methodPayload);
+  p = out.writeUInt16BE(BASIC_CLASS, p);
+  p = out.writeUInt16BE(BASIC_PUBLISH, p);
+  p = out.writeUInt16BE(0, p); // reserved (ticket)
+  p = out.writeUInt8(exchangeBytes.length, p);
+  p += exchangeBytes.copy(out, p);
+  p = out.writeUInt8(keyBytes.length, p);
+  p += keyBytes.copy(out, p);
+  p = out.writeUInt8(onConfirm ? 1 : 0, p); // mandatory with confirms; never immediate
+  p = out.writeUInt8(FRAME_END, p);
+  p = frameStart(out, p, FRAME_HEADER, ch, headerPayload);
+  p = out.writeUInt16BE(BASIC_CLASS, p);
+  p = out.writeUInt16BE(0, p); // weight
+  p = out.writeBigUInt64BE(BigInt(content.length), p);
+  p += header.copy(out, p);
+  p = out.writeUInt8(FRAME_END, p);
+  const buffer = record.buffer;
+  let writable = true;
+  if (small) {
+    for (let offset = 0; offset < content.length; offset += maxPayload) {
+      const slice = content.subarray(offset, Math.min(offset + maxPayload, content.length));
+      p = frameStart(out, p, FRAME_BODY, ch, slice.length);
+      p += slice.copy(out, p);
+      p = out.writeUInt8(FRAME_END, p);
+    }
+    writable = buffer.write(out);
+  } else {
+    writable = buffer.write(out);
+    for (let offset = 0; offset < content.length; offset += maxPayload) {
+      const slice = content.subarray(offset, Math.min(offset + maxPayload, content.length));
+      const frame = Buffer.allocUnsafe(slice.length + FRAME_OVERHEAD);
+      let q = frameStart(frame, 0, FRAME_BODY, ch, slice.length);
+      q += slice.copy(frame, q);
+      frame.writeUInt8(FRAME_END, q);
+      writable = buffer.write(frame);
+    }
+  }
+  connection.sentSinceLastCheck = true;
+  if (onConfirm) internals.pushConfirmCallback(onConfirm);
+  return writable;
+}
+
+function frameStart(out: Buffer, at: number, type: number, channel: number, size: number): number {
+  let p = out.writeUInt8(type, at);
+  p = out.writeUInt16BE(channel, p);
+  return out.writeUInt32BE(size, p);
+}

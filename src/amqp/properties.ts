@@ -1,0 +1,253 @@
+import type { MessageProperties } from 'amqplib';
+import {
+  decodeTable,
+  decodeValue,
+  type FieldSpan,
+  FieldTableError,
+  type FieldValue,
+  indexTable,
+  toAmqplibTable,
+} from './fields.js';
+
+/**
+ * The content header of a basic message, kept as the broker sent it: the property flags and the
+ * property list, byte for byte. The bridge forwards these bytes, splicing in only its documented
+ * changes, so every property (cluster_id included) and every header field keeps its type, value
+ * and order. amqplib's decoded properties stay available for applications and logs.
+ */
+
+/** The fourteen basic properties, in wire order, with their flag bits. */
+export const BASIC_PROPERTIES = [
+  ['contentType', 'shortstr'],
+  ['contentEncoding', 'shortstr'],
+  ['headers', 'table'],
+  ['deliveryMode', 'octet'],
+  ['priority', 'octet'],
+  ['correlationId', 'shortstr'],
+  ['replyTo', 'shortstr'],
+  ['expiration', 'shortstr'],
+  ['messageId', 'shortstr'],
+  ['timestamp', 'longlong'],
+  ['type', 'shortstr'],
+  ['userId', 'shortstr'],
+  ['appId', 'shortstr'],
+  ['clusterId', 'shortstr'],
+] as const;
+
+export type PropertyName = (typeof BASIC_PROPERTIES)[number][0];
+
+const HEADERS = 2;
+const USER_ID = 11;
+const MESSAGE_ID = 8;
+
+function flagOf(index: number): number {
+  return 0x8000 >> index;
+}
+
+/** Where a message's raw content header lives on its amqplib properties object. */
+export const RAW_HEADER = Symbol.for('dedup-bridge.content-header');
+
+/** A content header that cannot be read: the message is refused with this reason. */
+export class ContentHeaderError extends Error {}
+
+export class ContentHeader {
+  readonly flags: number;
+  /** Per property (wire order): its bytes [start, end) in `bytes`, or undefined when absent. */
+  private readonly at: ([number, number] | undefined)[] = [];
+  /** The header table's top-level fields (undefined when there is no table, or it is unreadable). */
+  readonly fields: FieldSpan[] | undefined;
+  /** Why the header table cannot be read (nested too deep, an unknown type), if it cannot. */
+  readonly tableError: string | undefined;
+
+  /** `bytes`: the property flags and property list (the header frame after class, weight and size). */
+  constructor(readonly bytes: Buffer) {
+    if (bytes.length < 2) throw new ContentHeaderError('content header has no property flags');
+    this.flags = bytes.readUInt16BE(0);
+    if (this.flags & 1) {
+      throw new ContentHeaderError('content header flags continue past the fourteen basic properties');
+    }
+    let p = 2;
+    BASIC_PROPERTIES.forEach(([, kind], index) => {
+      if (!(this.flags & flagOf(index))) {
+        this.at.push(undefined);
+        return;
+      }
+      const start = p;
+      if (kind === 'shortstr') p += 1 + (bytes[p] ?? 0);
+      else if (kind === 'octet') p += 1;
+      else if (kind === 'longlong') p += 8;
+      else p += 4 + (p + 4 <= bytes.length ? bytes.readUInt32BE(p) : 0);
+      if (p > bytes.length)
+        throw new ContentHeaderError(`content header truncated in its ${BASIC_PROPERTIES[index]?.[0]}`);
+      this.at.push([start, p]);
+    });
+    const table = this.at[HEADERS];
+    if (table) {
+      try {
+        this.fields = indexTable(bytes, table[0] + 4, table[1]);
+      } catch (error) {
+        if (!(error instanceof FieldTableError)) throw error;
+        this.tableError = `header table: ${error.message}`;
+      }
+    }
+  }
+
+  has(property: PropertyName): boolean {
+    return this.at[indexOf(property)] !== undefined;
+  }
+
+  /** The raw bytes of a shortstr property (without its length), or undefined when absent. */
+  shortstrBytes(property: PropertyName): Buffer | undefined {
+    const span = this.at[indexOf(property)];
+    return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
+  }
+
+  get messageIdBytes(): Buffer | undefined {
+    const span = this.at[MESSAGE_ID];
+    return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
+  }
+
+  get userIdBytes(): Buffer | undefined {
+    const span = this.at[USER_ID];
+    return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
+  }
+
+  /** The last top-level header field of this name (as most clients read a repeated name). */
+  field(name: string): FieldSpan | undefined {
+    const fields = this.fields;
+    if (!fields) return undefined;
+    for (let i = fields.length - 1; i >= 0; i--) {
+      const span = fields[i] as FieldSpan;
+      if (span.name === name) return span;
+    }
+    return undefined;
+  }
+
+  /** A field's value bytes: its type tag and value, exactly as on the wire. */
+  valueBytes(span: FieldSpan): Buffer {
+    return this.bytes.subarray(span.valueAt, span.end);
+  }
+
+  /** A field's typed value. */
+  valueOf(span: FieldSpan): FieldValue {
+    return decodeValue(this.bytes, span.valueAt, span.end)[0];
+  }
+
+  /**
+   * The properties as amqplib decodes them, for applications and logs. `headers` is decoded on its
+   * first read (the costly part, which the bridge itself never needs).
+   */
+  toAmqplib(): MessageProperties {
+    const out: Record<string, unknown> = {};
+    if (this.flags === 0) return out as unknown as MessageProperties;
+    BASIC_PROPERTIES.forEach(([name, kind], index) => {
+      const span = this.at[index];
+      if (!span) {
+        out[name] = undefined;
+        return;
+      }
+      const [start, end] = span;
+      if (kind === 'shortstr') out[name] = this.bytes.toString('utf8', start + 1, end);
+      else if (kind === 'octet') out[name] = this.bytes[start];
+      else if (kind === 'longlong') out[name] = Number(this.bytes.readBigUInt64BE(start));
+      else {
+        let decoded: unknown;
+        Object.defineProperty(out, name, {
+          enumerable: true,
+          configurable: true,
+          get: () => {
+            if (this.tableError === undefined) {
+              decoded ??= toAmqplibTable(decodeTable(this.bytes.subarray(start + 4, end)));
+            }
+            return decoded;
+          },
+          set: (value: unknown) => {
+            decoded = value;
+          },
+        });
+      }
+    });
+    return out as unknown as MessageProperties;
+  }
+
+  /**
+   * The content header to publish: these bytes with the header fields named in `remove` taken out,
+   * `append` (encoded fields) added at the end of the table, and `user_id` dropped if asked. Every
+   * other byte is the source's. Without changes, the very same buffer. An unreadable table is kept
+   * whole (nothing can be removed from it; appending is still exact).
+   */
+  splice(edit: { remove: readonly string[]; append: readonly Buffer[]; dropUserId: boolean }): Buffer {
+    const table = this.at[HEADERS];
+    const kept: Buffer[] = [];
+    if (this.fields) {
+      for (const span of this.fields) {
+        if (!edit.remove.includes(span.name)) kept.push(this.bytes.subarray(span.start, span.end));
+      }
+    } else if (table) {
+      kept.push(this.bytes.subarray(table[0] + 4, table[1]));
+    }
+    const removed = this.fields ? this.fields.length - kept.length : 0;
+    const dropUser = edit.dropUserId && this.at[USER_ID] !== undefined;
+    if (removed === 0 && edit.append.length === 0 && !dropUser) return this.bytes;
+
+    const parts: Buffer[] = [];
+    let flags = this.flags;
+    if (dropUser) flags &= ~flagOf(USER_ID);
+    const hasTable = table !== undefined || edit.append.length > 0;
+    if (hasTable) flags |= flagOf(HEADERS);
+    const head = Buffer.alloc(2);
+    head.writeUInt16BE(flags, 0);
+    parts.push(head);
+    BASIC_PROPERTIES.forEach((_, index) => {
+      const span = this.at[index];
+      if (index === HEADERS) {
+        if (!hasTable) return;
+        const body = [...kept, ...edit.append];
+        const length = Buffer.alloc(4);
+        length.writeUInt32BE(
+          body.reduce((sum, part) => sum + part.length, 0),
+          0,
+        );
+        parts.push(length, ...body);
+        return;
+      }
+      if (!span || (index === USER_ID && dropUser)) return;
+      parts.push(this.bytes.subarray(span[0], span[1]));
+    });
+    return Buffer.concat(parts);
+  }
+}
+
+function indexOf(property: PropertyName): number {
+  return BASIC_PROPERTIES.findIndex(([name]) => name === property);
+}
+
+/**
+ * amqplib's properties for a message, with its raw content header attached (not enumerable). A
+ * header that cannot be read gives empty properties, and the reason in place of the raw header:
+ * the bridge refuses that message instead of losing its connection over it.
+ */
+export function propertiesFor(bytes: Buffer): MessageProperties {
+  let raw: ContentHeader | string;
+  let properties: MessageProperties;
+  try {
+    raw = new ContentHeader(bytes);
+    properties = raw.toAmqplib();
+  } catch (error) {
+    if (!(error instanceof ContentHeaderError)) throw error;
+    raw = error.message;
+    properties = {} as MessageProperties;
+  }
+  Object.defineProperty(properties, RAW_HEADER, { value: raw, enumerable: false });
+  return properties;
+}
+
+/** The raw content header of a message read through a connection the bridge set up. */
+export function contentHeaderOf(properties: MessageProperties): ContentHeader {
+  const raw = (properties as unknown as Record<symbol, unknown>)[RAW_HEADER];
+  if (raw instanceof ContentHeader) return raw;
+  if (typeof raw === 'string') throw new ContentHeaderError(raw);
+  throw new ContentHeaderError(
+    'message was not read through a connection with the lossless reader installed',
+  );
+}
