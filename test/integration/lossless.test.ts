@@ -1,7 +1,10 @@
+import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
 import { contentHeaderOf } from '../../src/amqp/properties.js';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
+import { withDedupId } from '../../src/client/producer.js';
 import { createLogger } from '../../src/observe/log.js';
 import {
   countDelivery,
@@ -9,6 +12,7 @@ import {
   depthOf,
   migrateArgs,
   migrateWithReport,
+  openBroker,
   runArgs,
   servers,
   startCli,
@@ -425,5 +429,80 @@ describe('the wire path is lossless', () => {
     await expectForwardedExactly('around a large header', sent, target);
     const parked = await takeRaw(sourceUrl, park);
     expect(parked.map((m) => m.body.toString())).toEqual(['large']);
+  });
+
+  it('the bridge, the idempotent consumer and the producer helpers key every ID type alike', async () => {
+    const { sourceUrl, targetUrl, redisUrl } = servers();
+    const source = uniqueName('agree-src');
+    const target = uniqueName('agree-dst');
+    const scope = uniqueName('agree-scope');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(targetUrl, target);
+    const tag = uniqueName('a');
+    const ids: [string, Buffer][] = [
+      ['S text', longString(`${tag}-text`)],
+      ['S 80000001', longString(Buffer.from([0x80, 0, 0, 1]))],
+      ['S 81000001', longString(Buffer.from([0x81, 0, 0, 1]))],
+      ['x not utf-8', bytes(Buffer.from([0xff, 0, 0x7f]))],
+      ['b', int8(-7)],
+      ['B', uint8(250)],
+      ['s', int16(-30_000)],
+      ['u', uint16(65_000)],
+      ['I', int32(-2_000_000_000)],
+      ['i', uint32(4_000_000_001)],
+      ['l 2^62+1', int64(2n ** 62n + 1n)],
+      ['l 2^62+2', int64(2n ** 62n + 2n)],
+      ['l min', int64(MIN_I64)],
+      ['f 0.1', float32(0.1)],
+      ['d 0.1', float64(0.1)],
+      ['d -0.0', float64(-0)],
+      ['t', bool(true)],
+    ];
+    const sent: Sent[] = ids.map(([label, id]) => {
+      const properties = basicProperties({ headers: table(field('_HQ_DUPL_ID', id)) });
+      return { label, properties, body: Buffer.from(label), expected: properties };
+    });
+    await publishCorpus(sourceUrl, source, sent);
+    // The same text through the library's producer helper: the same ID as the S above.
+    const broker = await openBroker(sourceUrl);
+    broker.channel.publish('', source, Buffer.from('helper copy'), withDedupId({}, `${tag}-text`));
+    broker.channel.publish(
+      '',
+      source,
+      Buffer.from('helper bytes'),
+      withDedupId({}, Buffer.from([0xff, 0, 0x7f])),
+    );
+    await broker.channel.waitForConfirms();
+    await broker.close();
+
+    const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--scope', scope));
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: ids.length, duplicates: 2 });
+    await expectForwardedExactly('one per ID type', sent, target);
+
+    // Each copy again on the target, read by the idempotent consumer in the bridge's own scope: it
+    // finds every ID already committed under the key it computes, so the keys agree.
+    await publishCorpus(targetUrl, target, sent);
+    const redis = new Redis(redisUrl);
+    const reader = await openBroker(targetUrl);
+    const handled: string[] = [];
+    const consumer = await createIdempotentConsumer({
+      channel: reader.channel,
+      queue: target,
+      redis,
+      scope,
+      handler: (_message, context) => {
+        handled.push(context.dedupId);
+      },
+    });
+    try {
+      expect(await waitFor(() => consumer.counts.duplicates === ids.length)).toBe(true);
+      expect(consumer.counts).toMatchObject({ processed: 0, duplicates: ids.length, withoutId: 0 });
+    } finally {
+      await consumer.stop();
+      await reader.close();
+      redis.disconnect();
+    }
+    expect(handled).toEqual([]);
   });
 });
