@@ -1,42 +1,109 @@
 import { createHash } from 'node:crypto';
+import { createRequire } from 'node:module';
+import { dirname, join } from 'node:path';
+import { v5 as uuidv5 } from 'uuid';
 import { describe, expect, it } from 'vitest';
+import { ContentHeader } from '../../src/amqp/properties.js';
 import {
+  contentId,
   DEFAULT_ID_FROM,
   type DedupId,
   deriveId,
   type IdSource,
   type IdStrategy,
+  keyOfBytes,
+  keyOfField,
   keyOfValue,
   MAX_ID_BYTES,
   parseIdFrom,
 } from '../../src/dedup/id.js';
 import { ConfigError } from '../../src/errors.js';
+import {
+  array,
+  type BasicProperties,
+  basicProperties,
+  bool,
+  bytes,
+  decimal,
+  field,
+  float32,
+  float64,
+  float64Bits,
+  int8,
+  int16,
+  int32,
+  int64,
+  longString,
+  nested,
+  table,
+  timestamp,
+  uint8,
+  uint16,
+  uint32,
+  voidValue,
+} from '../wire.js';
 
 const UUID_V5 = /^[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/;
 const SHA256_KEY = /^sha256:[0-9a-f]{64}$/;
 
+// amqplib's own codec, loaded by path as amqplib loads it: what a Node application would encode
+// from a JavaScript value, and what it decodes from the wire.
+const require = createRequire(import.meta.url);
+const amqplibCodec = require(join(dirname(require.resolve('amqplib')), 'lib', 'codec.js')) as {
+  encodeTable(buffer: Buffer, value: unknown, offset: number): number;
+  decodeFields(body: Buffer): Record<string, unknown>;
+};
+
+/** The table body amqplib writes for `headers`. */
+function amqplibTable(headers: Record<string, unknown>): Buffer {
+  const scratch = Buffer.alloc(65536);
+  const size = amqplibCodec.encodeTable(scratch, headers, 0);
+  return Buffer.from(scratch.subarray(4, size));
+}
+
 const header = (name: string): IdStrategy => ({ kind: 'header', name });
 const HDR: IdStrategy[] = [header('X-ID')];
 
-function msg(overrides: Partial<IdSource> = {}): IdSource {
+interface Parts {
+  content?: Buffer;
+  exchange?: string;
+  routingKey?: string;
+}
+
+/** A message from wire bytes: its basic properties (headers as a table body), body and route. */
+function msg(properties: BasicProperties = {}, parts: Parts = {}): IdSource {
   return {
-    content: Buffer.from('{"order":1}'),
-    exchange: 'orders',
-    routingKey: 'orders.created',
-    ...overrides,
+    content: parts.content ?? Buffer.from('{"order":1}'),
+    exchange: parts.exchange ?? 'orders',
+    routingKey: parts.routingKey ?? 'orders.created',
+    header: new ContentHeader(basicProperties(properties)),
   };
 }
 
+/** A message whose only header is X-ID with this value (tag and bytes). */
+function withXId(value: Buffer, properties: BasicProperties = {}): IdSource {
+  return msg({ ...properties, headers: table(field('X-ID', value)) });
+}
+
 /** The ID a message gets from a single header strategy on header "X-ID". */
-function idOfHeader(value: unknown): DedupId {
-  const { id, rejected } = deriveId(msg({ headers: { 'X-ID': value } }), HDR);
+function idOfHeader(value: Buffer): DedupId {
+  const { id, rejected } = deriveId(withXId(value), HDR);
   expect(rejected).toEqual([]);
-  if (id === undefined) throw new Error(`no ID derived for ${String(value)}`);
+  if (id === undefined) throw new Error(`no ID derived for ${value.toString('hex')}`);
   return id;
 }
 
-function keyOfHeader(value: unknown): string {
+function keyOfHeader(value: Buffer): string {
   return idOfHeader(value).key;
+}
+
+/** The `_HQ_DUPL_ID` value the bridge writes for an ID from the message ID or the content. */
+function keyAsValue(key: string): Buffer {
+  return longString(key);
+}
+
+function hex(text: string): Buffer {
+  return Buffer.from(text.replace(/\s+/g, ''), 'hex');
 }
 
 function catchError(fn: () => unknown): unknown {
@@ -103,27 +170,30 @@ describe('parseIdFrom', () => {
 
 describe('deriveId: strategy order', () => {
   const all = parseIdFrom('header:A,header:B,message-id,content');
+  const ab = table(field('A', longString('from-a')), field('B', longString('from-b')));
 
   it('takes the first strategy the message has', () => {
-    const { id, rejected } = deriveId(msg({ headers: { A: 'from-a', B: 'from-b' }, messageId: 'm-1' }), all);
-    expect(id).toEqual({ key: 'from-a', headerValue: 'from-a', strategy: 'header:A' });
+    const { id, rejected } = deriveId(msg({ headers: ab, messageId: 'm-1' }), all);
+    expect(id).toEqual({ key: 'from-a', value: longString('from-a'), own: false, strategy: 'header:A' });
     expect(rejected).toEqual([]);
   });
 
   it('falls through to the next strategy when a header is missing', () => {
-    expect(deriveId(msg({ headers: { B: 'from-b' }, messageId: 'm-1' }), all).id?.strategy).toBe('header:B');
-    expect(deriveId(msg({ headers: {}, messageId: 'm-1' }), all).id).toEqual({
+    const onlyB = table(field('B', longString('from-b')));
+    expect(deriveId(msg({ headers: onlyB, messageId: 'm-1' }), all).id?.strategy).toBe('header:B');
+    expect(deriveId(msg({ headers: table(), messageId: 'm-1' }), all).id).toEqual({
       key: 'm-1',
-      headerValue: 'm-1',
+      value: keyAsValue('m-1'),
+      own: false,
       strategy: 'message-id',
     });
-    const { id } = deriveId(msg({ headers: { other: 'x' } }), all);
+    const { id } = deriveId(msg({ headers: table(field('other', longString('x'))) }), all);
     expect(id?.strategy).toBe('content');
     expect(id?.key).toMatch(UUID_V5);
   });
 
   it('depends on the order of the list', () => {
-    const message = msg({ headers: { A: 'from-a', B: 'from-b' }, messageId: 'm-1' });
+    const message = msg({ headers: ab, messageId: 'm-1' });
     expect(deriveId(message, parseIdFrom('header:B,header:A')).id?.key).toBe('from-b');
     expect(deriveId(message, parseIdFrom('message-id,header:A')).id?.key).toBe('m-1');
     expect(deriveId(message, parseIdFrom('content,message-id')).id?.strategy).toBe('content');
@@ -142,249 +212,455 @@ describe('deriveId: strategy order', () => {
   });
 
   it('matches header names exactly (case-sensitive)', () => {
-    const { id } = deriveId(msg({ headers: { 'x-id': 'lower' } }), parseIdFrom('header:X-ID,message-id'));
-    expect(id).toBeUndefined();
+    const lower = msg({ headers: table(field('x-id', longString('lower'))) });
+    expect(deriveId(lower, parseIdFrom('header:X-ID,message-id')).id).toBeUndefined();
   });
-});
 
-describe('deriveId: header values', () => {
-  it('keys a plain string by itself and passes the original value on', () => {
-    expect(idOfHeader('order-42')).toEqual({
-      key: 'order-42',
-      headerValue: 'order-42',
+  it('takes the last of a repeated header name, with its own value bytes', () => {
+    const twice = msg({ headers: table(field('X-ID', longString('first')), field('X-ID', int32(2))) });
+    expect(deriveId(twice, HDR).id).toEqual({
+      key: 'num:2',
+      value: int32(2),
+      own: false,
       strategy: 'header:X-ID',
     });
   });
 
-  it('gives a string and a Buffer with the same UTF-8 bytes the same key', () => {
+  it("marks an ID from the message's own _HQ_DUPL_ID as own, and only that one", () => {
+    const headers = table(field('_HQ_DUPL_ID', longString('hq')), field('_AMQ_DUPL_ID', longString('amq')));
+    const message = msg({ headers, messageId: 'm' });
+    expect(deriveId(message, parseIdFrom(DEFAULT_ID_FROM)).id).toEqual({
+      key: 'hq',
+      value: longString('hq'),
+      own: true,
+      strategy: 'header:_HQ_DUPL_ID',
+    });
+    expect(deriveId(message, parseIdFrom('header:_AMQ_DUPL_ID')).id?.own).toBe(false);
+    expect(deriveId(message, parseIdFrom('message-id')).id?.own).toBe(false);
+    expect(deriveId(message, parseIdFrom('content')).id?.own).toBe(false);
+  });
+});
+
+describe('deriveId: header values', () => {
+  it('keys a plain long string by itself and passes its bytes on', () => {
+    expect(idOfHeader(longString('order-42'))).toEqual({
+      key: 'order-42',
+      value: longString('order-42'),
+      own: false,
+      strategy: 'header:X-ID',
+    });
+  });
+
+  it('gives the same bytes one key as a long string (S) and as a byte array (x)', () => {
     for (const text of ['order-42', 'ünïcödé ✓ 日本', 'a', '🎉'.repeat(10)]) {
-      expect(keyOfHeader(Buffer.from(text, 'utf8'))).toBe(keyOfHeader(text));
+      const key = keyOfHeader(longString(text));
+      expect(keyOfHeader(bytes(text))).toBe(key);
+      expect(keyOfValue(text)).toBe(key);
+      expect(keyOfValue(Buffer.from(text))).toBe(key);
+    }
+    const notText = hex('80 00 00 01');
+    expect(keyOfHeader(longString(notText))).toBe(keyOfHeader(bytes(notText)));
+    expect(keyOfHeader(bytes(notText))).toBe(keyOfValue(notText));
+  });
+
+  it("passes on exactly the header field's value bytes, whatever its type", () => {
+    const values = [
+      bytes('order-42'),
+      longString(hex('80 00 00 01')),
+      int64(2n ** 62n + 1n),
+      float64(-0),
+      float32(0.1),
+      int16(-2),
+      bool(2),
+    ];
+    for (const value of values) {
+      const message = withXId(value);
+      const id = idOfHeader(value);
+      expect(id.value.toString('hex')).toBe(value.toString('hex'));
+      const span = message.header.field('X-ID');
+      expect(span && message.header.valueBytes(span).toString('hex')).toBe(value.toString('hex'));
     }
   });
 
-  it('keeps the original Buffer as headerValue', () => {
-    const bytes = Buffer.from('order-42');
-    const id = idOfHeader(bytes);
-    expect(id.headerValue).toBe(bytes);
-    expect(id.key).toBe('order-42');
+  it('keys bytes that are not UTF-8 as bytes:<hex>', () => {
+    expect(keyOfHeader(bytes(hex('ff fe 00 41 c3')))).toBe('bytes:fffe0041c3');
+    // HornetQ's byte[] IDs are often UUID bytes.
+    const uuidBytes = hex('0f8fad5bd9cb469fa16570867728950e');
+    expect(keyOfHeader(bytes(uuidBytes))).toBe('bytes:0f8fad5bd9cb469fa16570867728950e');
   });
 
-  it('keys bytes that are not UTF-8 as bytes:<hex>', () => {
-    const bytes = Buffer.from([0xff, 0xfe, 0x00, 0x41, 0xc3]);
-    expect(keyOfHeader(bytes)).toBe('bytes:fffe0041c3');
-    // HornetQ's byte[] IDs are often UUID bytes.
-    const uuidBytes = Buffer.from('0f8fad5bd9cb469fa16570867728950e', 'hex');
-    expect(keyOfHeader(uuidBytes)).toBe('bytes:0f8fad5bd9cb469fa16570867728950e');
+  it('keys a long string that is not UTF-8 by its bytes, not by what it would decode to', () => {
+    expect(keyOfHeader(longString(hex('80 00 00 01')))).toBe('bytes:80000001');
+    expect(keyOfHeader(longString(hex('80 00 00 01')))).not.toBe(keyOfHeader(longString(hex('81 00 00 01'))));
+    expect(keyOfHeader(longString(hex('81 00 00 01')))).toBe('bytes:81000001');
   });
 
   it('gives the same bytes the same key every time, and different bytes different keys', () => {
-    const a = Buffer.from([0x80, 0x81, 0x82]);
-    const b = Buffer.from([0x80, 0x81, 0x82]);
-    const c = Buffer.from([0x80, 0x81, 0x83]);
-    expect(keyOfHeader(a)).toBe(keyOfHeader(b));
+    const a = bytes(hex('80 81 82'));
+    expect(keyOfHeader(a)).toBe(keyOfHeader(bytes(hex('80 81 82'))));
     expect(keyOfHeader(a)).toBe(keyOfHeader(a));
-    expect(keyOfHeader(a)).not.toBe(keyOfHeader(c));
+    expect(keyOfHeader(a)).not.toBe(keyOfHeader(bytes(hex('80 81 83'))));
   });
 
   it('does not treat a replacement character that decoded from bad bytes as text', () => {
     // 0xff decodes to U+FFFD, whose UTF-8 is ef bf bd: these are different IDs.
-    expect(keyOfHeader(Buffer.from([0xff]))).toBe('bytes:ff');
-    expect(keyOfHeader('\uFFFD')).toBe('\uFFFD');
-    expect(keyOfHeader(Buffer.from([0xef, 0xbf, 0xbd]))).toBe('\uFFFD');
+    expect(keyOfHeader(bytes(hex('ff')))).toBe('bytes:ff');
+    expect(keyOfHeader(longString(hex('ff')))).toBe('bytes:ff');
+    expect(keyOfHeader(longString('\uFFFD'))).toBe('\uFFFD');
+    expect(keyOfHeader(bytes(hex('ef bf bd')))).toBe('\uFFFD');
+    // A 4-byte sequence cut short decodes to one U+FFFD: as many bytes, but not the same ones.
+    expect(keyOfHeader(bytes(hex('f0 9f 98')))).toBe('bytes:f09f98');
+    expect(keyOfHeader(longString(hex('f0 9f 98')))).toBe('bytes:f09f98');
   });
 
-  it('keys numbers and booleans with a type prefix', () => {
-    expect(keyOfHeader(42)).toBe('num:42');
-    expect(keyOfHeader(-1.5)).toBe('num:-1.5');
-    expect(keyOfHeader(0)).toBe('num:0');
-    expect(keyOfHeader(12345678901234567890n)).toBe('num:12345678901234567890');
-    expect(keyOfHeader(true)).toBe('bool:true');
-    expect(keyOfHeader(false)).toBe('bool:false');
+  it('keys integers of every width, floats and booleans with a type prefix', () => {
+    expect(keyOfHeader(int32(42))).toBe('num:42');
+    expect(keyOfHeader(float64(-1.5))).toBe('num:-1.5');
+    expect(keyOfHeader(int8(0))).toBe('num:0');
+    expect(keyOfHeader(int8(-128))).toBe('num:-128');
+    expect(keyOfHeader(uint8(255))).toBe('num:255');
+    expect(keyOfHeader(int16(-32768))).toBe('num:-32768');
+    expect(keyOfHeader(uint16(65535))).toBe('num:65535');
+    expect(keyOfHeader(uint32(4294967295))).toBe('num:4294967295');
+    expect(keyOfHeader(int64(2n ** 63n - 1n))).toBe('num:9223372036854775807');
+    expect(keyOfHeader(int64(-(2n ** 63n)))).toBe('num:-9223372036854775808');
+    expect(keyOfHeader(bool(true))).toBe('bool:true');
+    expect(keyOfHeader(bool(false))).toBe('bool:false');
+    expect(keyOfHeader(bool(2))).toBe('bool:true');
   });
 
-  it('keeps a number or boolean as the headerValue', () => {
-    expect(idOfHeader(42).headerValue).toBe(42);
-    expect(idOfHeader(false).headerValue).toBe(false);
+  it('keys 64-bit integers exactly: l 2^62+1 and l 2^62+2 are two IDs', () => {
+    expect(keyOfHeader(int64(2n ** 62n + 1n))).toBe('num:4611686018427387905');
+    expect(keyOfHeader(int64(2n ** 62n + 2n))).toBe('num:4611686018427387906');
+  });
+
+  it('keys a number by its value: I 42, l 42 and d 42.0 are one ID', () => {
+    const key = keyOfHeader(int32(42));
+    expect(keyOfHeader(int64(42n))).toBe(key);
+    expect(keyOfHeader(float64(42))).toBe(key);
+    expect(keyOfHeader(int8(42))).toBe(key);
+    expect(keyOfHeader(uint16(42))).toBe(key);
+    expect(keyOfHeader(float32(42))).toBe(key);
+  });
+
+  it('keys f 0.1 and d 0.1 apart (two different numbers), and d -0.0 apart from I 0', () => {
+    expect(keyOfHeader(float32(0.1))).not.toBe(keyOfHeader(float64(0.1)));
+    expect(keyOfHeader(float64(-0))).not.toBe(keyOfHeader(int32(0)));
+    expect(keyOfHeader(float64(0))).toBe(keyOfHeader(int32(0)));
+  });
+
+  it('keeps a number or boolean as the value', () => {
+    expect(idOfHeader(int32(42)).value).toEqual(int32(42));
+    expect(idOfHeader(bool(false)).value).toEqual(bool(false));
   });
 
   it('does not confuse a number with the string of its digits', () => {
-    expect(keyOfHeader('42')).toBe('42');
-    expect(keyOfHeader('42')).not.toBe(keyOfHeader(42));
-    expect(keyOfHeader('true')).not.toBe(keyOfHeader(true));
+    expect(keyOfHeader(longString('42'))).toBe('42');
+    expect(keyOfHeader(longString('42'))).not.toBe(keyOfHeader(int32(42)));
+    expect(keyOfHeader(longString('true'))).not.toBe(keyOfHeader(bool(true)));
+  });
+
+  it('keeps every key within MAX_ID_BYTES bytes, or a sha256 key', () => {
+    const values = [float64(1e308), float64(-Number.MAX_VALUE), float64(2 ** 200), int64(-(2n ** 63n))];
+    for (const value of values) {
+      const key = keyOfHeader(value);
+      expect(Buffer.byteLength(key) <= MAX_ID_BYTES || SHA256_KEY.test(key), key).toBe(true);
+    }
   });
 
   describe('a text ID that starts with a reserved prefix', () => {
     it('does not collide with the bytes it imitates', () => {
-      const imitation = 'bytes:ff';
-      const real = Buffer.from([0xff]);
+      const imitation = longString('bytes:ff');
+      const real = bytes(hex('ff'));
       expect(keyOfHeader(real)).toBe('bytes:ff');
       expect(keyOfHeader(imitation)).not.toBe(keyOfHeader(real));
-      expect(keyOfHeader(imitation)).toBe(`bytes:${Buffer.from(imitation).toString('hex')}`);
+      expect(keyOfHeader(imitation)).toBe(`bytes:${Buffer.from('bytes:ff').toString('hex')}`);
     });
 
     it('does not collide with the number or boolean it imitates', () => {
-      expect(keyOfHeader('num:1')).not.toBe(keyOfHeader(1));
-      expect(keyOfHeader('num:1')).not.toBe('num:1');
-      expect(keyOfHeader('bool:true')).not.toBe(keyOfHeader(true));
+      expect(keyOfHeader(longString('num:1'))).not.toBe(keyOfHeader(int8(1)));
+      expect(keyOfHeader(longString('num:1'))).not.toBe('num:1');
+      expect(keyOfHeader(longString('bool:true'))).not.toBe(keyOfHeader(bool(true)));
     });
 
     it('does not collide with the hash of a long ID', () => {
-      const long = 'L'.repeat(MAX_ID_BYTES + 1);
-      const hashed = keyOfHeader(long);
+      const hashed = keyOfHeader(longString('L'.repeat(MAX_ID_BYTES + 1)));
       expect(hashed).toMatch(SHA256_KEY);
-      expect(keyOfHeader(hashed)).not.toBe(hashed);
+      expect(keyOfHeader(longString(hashed))).not.toBe(hashed);
     });
 
     it('does not collide with the hex-encoded key of another text', () => {
       // "bytes:ab" is re-keyed as bytes:<hex of "bytes:ab">; a string with that exact text is
       // itself reserved and re-keyed again, so the two stay apart.
-      const first = keyOfHeader('bytes:ab');
-      expect(keyOfHeader(first)).not.toBe(first);
+      const first = keyOfHeader(longString('bytes:ab'));
+      expect(keyOfHeader(longString(first))).not.toBe(first);
     });
 
-    it('gets the same key as a string and as the same bytes in a Buffer', () => {
+    it('gets the same key as a long string and as a byte array', () => {
       for (const text of ['bytes:ab', 'num:1', 'bool:true', 'sha256:00']) {
-        expect(keyOfHeader(Buffer.from(text))).toBe(keyOfHeader(text));
+        expect(keyOfHeader(bytes(text))).toBe(keyOfHeader(longString(text)));
       }
     });
 
-    it('keeps the original string as headerValue', () => {
-      expect(idOfHeader('num:1').headerValue).toBe('num:1');
+    it('keeps the original bytes as the value', () => {
+      expect(idOfHeader(longString('num:1')).value).toEqual(longString('num:1'));
     });
 
     it('only counts as reserved at the start', () => {
-      expect(keyOfHeader('order-bytes:ab')).toBe('order-bytes:ab');
-      expect(keyOfHeader('bytes')).toBe('bytes');
+      expect(keyOfHeader(longString('order-bytes:ab'))).toBe('order-bytes:ab');
+      expect(keyOfHeader(longString('bytes'))).toBe('bytes');
     });
   });
 
   describe('long IDs', () => {
     it(`keeps an ID of exactly ${MAX_ID_BYTES} bytes as is`, () => {
       const text = 'a'.repeat(MAX_ID_BYTES);
-      expect(keyOfHeader(text)).toBe(text);
+      expect(keyOfHeader(longString(text))).toBe(text);
     });
 
     it(`keys an ID over ${MAX_ID_BYTES} bytes as sha256:<64 hex>, stably`, () => {
       const text = 'a'.repeat(MAX_ID_BYTES + 1);
-      const key = keyOfHeader(text);
+      const key = keyOfHeader(longString(text));
       expect(key).toMatch(SHA256_KEY);
       expect(key).toBe(`sha256:${createHash('sha256').update(text).digest('hex')}`);
-      expect(keyOfHeader('a'.repeat(MAX_ID_BYTES + 1))).toBe(key);
-      expect(keyOfHeader(`${'a'.repeat(MAX_ID_BYTES)}b`)).not.toBe(key);
+      expect(keyOfHeader(longString('a'.repeat(MAX_ID_BYTES + 1)))).toBe(key);
+      expect(keyOfHeader(longString(`${'a'.repeat(MAX_ID_BYTES)}b`))).not.toBe(key);
     });
 
     it('counts bytes, not characters', () => {
       // 101 two-byte characters are 202 bytes: over the limit although only 101 characters.
       const text = 'é'.repeat(101);
       expect(text.length).toBeLessThan(MAX_ID_BYTES);
-      expect(keyOfHeader(text)).toMatch(SHA256_KEY);
-      expect(keyOfHeader('é'.repeat(100))).toBe('é'.repeat(100));
+      expect(keyOfHeader(longString(text))).toMatch(SHA256_KEY);
+      expect(keyOfHeader(longString('é'.repeat(100)))).toBe('é'.repeat(100));
     });
 
-    it('gives a long Buffer the same hashed key as the same long string', () => {
+    it('gives long bytes the same hashed key as a long string and as a byte array', () => {
       const text = 'x'.repeat(500);
-      expect(keyOfHeader(Buffer.from(text))).toBe(keyOfHeader(text));
+      expect(keyOfHeader(bytes(text))).toBe(keyOfHeader(longString(text)));
     });
 
     it('hashes long non-UTF-8 bytes stably', () => {
-      const bytes = Buffer.alloc(300, 0xff);
-      const key = keyOfHeader(bytes);
+      const key = keyOfHeader(bytes(Buffer.alloc(300, 0xff)));
       expect(key).toMatch(SHA256_KEY);
-      expect(keyOfHeader(Buffer.alloc(300, 0xff))).toBe(key);
-      expect(keyOfHeader(Buffer.alloc(301, 0xff))).not.toBe(key);
+      expect(keyOfHeader(bytes(Buffer.alloc(300, 0xff)))).toBe(key);
+      expect(keyOfHeader(longString(Buffer.alloc(300, 0xff)))).toBe(key);
+      expect(keyOfHeader(bytes(Buffer.alloc(301, 0xff)))).not.toBe(key);
     });
 
-    it('keeps the full original value as headerValue', () => {
-      const text = 'z'.repeat(1000);
-      expect(idOfHeader(text).headerValue).toBe(text);
+    it('keeps the full original value as the value', () => {
+      const value = longString('z'.repeat(1000));
+      expect(idOfHeader(value).value).toEqual(value);
     });
   });
 
   describe('values that cannot be an ID', () => {
     it.each([
-      ['a table', { a: 1 }, 'table'],
-      ['an empty table', {}, 'table'],
-      ['an array', ['a', 'b'], 'array'],
-      ['null (void)', null, 'void'],
-      ['an empty string', '', 'empty'],
-      ['NaN', Number.NaN, 'number'],
-      ['Infinity', Number.POSITIVE_INFINITY, 'number'],
-    ])('rejects %s and lets the next strategy decide', (_label, value, type) => {
+      ['a table', nested(table(field('a', int8(1)))), 'table', { a: 1 }],
+      ['an empty table', nested(table()), 'table', {}],
+      ['an array', array(longString('a'), longString('b')), 'array', ['a', 'b']],
+      ['void', voidValue(), 'void', null],
+      ['an empty long string', longString(''), 'empty', ''],
+      ['an empty byte array', bytes(''), 'empty', Buffer.alloc(0)],
+      ['a double NaN', float64(Number.NaN), 'NaN', Number.NaN],
+      ['a NaN with a payload', float64Bits(0x7ff8000000000001n), 'NaN', Number.NaN],
+      ['a float NaN', float32(Number.NaN), 'NaN', Number.NaN],
+      ['Infinity', float64(Number.POSITIVE_INFINITY), 'infinite', Number.POSITIVE_INFINITY],
+      ['a float -Infinity', float32(Number.NEGATIVE_INFINITY), 'infinite', Number.NEGATIVE_INFINITY],
+      ['a decimal', decimal(2, 314), 'decimal', { '!': 'decimal', value: { places: 2, digits: 314 } }],
+      ['a timestamp', timestamp(1700000000n), 'timestamp', { '!': 'timestamp', value: 1700000000 }],
+    ])('rejects %s, names its type, and lets the next strategy decide', (_label, value, type, asJs) => {
       const strategies = parseIdFrom('header:X-ID,message-id');
-      const { id, rejected } = deriveId(msg({ headers: { 'X-ID': value }, messageId: 'm-7' }), strategies);
+      const { id, rejected } = deriveId(withXId(value, { messageId: 'm-7' }), strategies);
       expect(rejected).toEqual([`header:X-ID (${type})`]);
-      expect(id).toEqual({ key: 'm-7', headerValue: 'm-7', strategy: 'message-id' });
-      expect(keyOfValue(value)).toBeUndefined();
-    });
-
-    it('rejects an empty Buffer and lets the next strategy decide', () => {
-      const strategies = parseIdFrom('header:X-ID,message-id');
-      const { id, rejected } = deriveId(
-        msg({ headers: { 'X-ID': Buffer.alloc(0) }, messageId: 'm-7' }),
-        strategies,
-      );
-      expect(rejected).toHaveLength(1);
-      expect(rejected[0]).toMatch(/^header:X-ID \(/);
-      expect(id).toEqual({ key: 'm-7', headerValue: 'm-7', strategy: 'message-id' });
-      expect(keyOfValue(Buffer.alloc(0))).toBeUndefined();
-    });
-
-    it('names an empty Buffer "empty", like an empty string, not "table"', () => {
-      const { rejected } = deriveId(msg({ headers: { 'X-ID': Buffer.alloc(0) } }), HDR);
-      expect(rejected).toEqual(['header:X-ID (empty)']);
+      expect(id).toEqual({ key: 'm-7', value: keyAsValue('m-7'), own: false, strategy: 'message-id' });
+      expect(keyOfValue(asJs)).toBeUndefined();
     });
 
     it('reports every rejected header, in order, even when nothing matches', () => {
       const strategies = parseIdFrom('header:A,header:B,header:C');
-      const result = deriveId(msg({ headers: { A: [], C: null } }), strategies);
-      expect(result).toEqual({ id: undefined, rejected: ['header:A (array)', 'header:C (void)'] });
+      const headers = table(field('A', array()), field('C', voidValue()));
+      expect(deriveId(msg({ headers }), strategies)).toEqual({
+        id: undefined,
+        rejected: ['header:A (array)', 'header:C (void)'],
+      });
     });
 
     it('lets a later header win after an earlier one is rejected', () => {
       const strategies = parseIdFrom('header:A,header:B,content');
-      const { id, rejected } = deriveId(msg({ headers: { A: { nested: true }, B: 'good' } }), strategies);
+      const headers = table(
+        field('A', nested(table(field('nested', bool(true))))),
+        field('B', longString('good')),
+      );
+      const { id, rejected } = deriveId(msg({ headers }), strategies);
       expect(rejected).toEqual(['header:A (table)']);
-      expect(id).toEqual({ key: 'good', headerValue: 'good', strategy: 'header:B' });
+      expect(id).toEqual({ key: 'good', value: longString('good'), own: false, strategy: 'header:B' });
     });
+  });
+});
 
-    it('skips a header that is present but undefined without rejecting it', () => {
-      const { id, rejected } = deriveId(msg({ headers: { 'X-ID': undefined }, messageId: 'm' }), [
-        ...HDR,
-        { kind: 'message-id' },
-      ]);
-      expect(rejected).toEqual([]);
-      expect(id?.strategy).toBe('message-id');
-    });
+describe('keyOfValue: the key of a JavaScript value, as amqplib encodes it', () => {
+  // What amqplib writes for each value (string → S, Buffer → x, integers by size, other numbers
+  // d, booleans t): the library's keyOfValue must key the value as the bridge keys those bytes.
+  it.each([
+    ['a string', 'order-42', 'S'],
+    ['a non-ASCII string', 'ünïcödé ✓ 日本', 'S'],
+    ['a reserved-prefix string', 'num:1', 'S'],
+    ['a long string', 'a'.repeat(MAX_ID_BYTES + 1), 'S'],
+    ['a Buffer of text', Buffer.from('order-42'), 'x'],
+    ['a Buffer not UTF-8', hex('ff 00 80'), 'x'],
+    ['a long Buffer', Buffer.alloc(300, 0xff), 'x'],
+    ['0', 0, 'b'],
+    ['-128', -128, 'b'],
+    ['127', 127, 'b'],
+    ['128', 128, 's'],
+    ['-129', -129, 's'],
+    ['32768', 32768, 'I'],
+    ['-2^31', -(2 ** 31), 'I'],
+    ['2^31', 2 ** 31, 'l'],
+    ['2^53 + 2', 2 ** 53 + 2, 'l'],
+    ['-2^62', -(2 ** 62), 'l'],
+    ['2^63', 2 ** 63, 'd'],
+    ['1.5', 1.5, 'd'],
+    ['-0.25', -0.25, 'd'],
+    ['0.1', 0.1, 'd'],
+    ['1e-300', 1e-300, 'd'],
+    ['Infinity', Number.POSITIVE_INFINITY, 'd'],
+    ['-0 (amqplib writes b 00)', -0, 'b'],
+    ['true', true, 't'],
+    ['false', false, 't'],
+    ['null', null, 'V'],
+    ['an empty string', '', 'S'],
+    ['a table', { a: 1 }, 'F'],
+    ['an array', [1], 'A'],
+  ])('%s', (_label, value, tag) => {
+    const body = amqplibTable({ 'X-ID': value });
+    expect(String.fromCharCode(body[5] as number)).toBe(tag);
+    const { id } = deriveId(msg({ headers: body }), HDR);
+    expect(keyOfValue(value)).toBe(id?.key);
+  });
+
+  it('keys a string and a Buffer of its bytes alike, and bytes that are not UTF-8 as bytes', () => {
+    expect(keyOfValue('order-42')).toBe('order-42');
+    expect(keyOfValue(Buffer.from('order-42'))).toBe('order-42');
+    expect(keyOfValue(hex('ff'))).toBe('bytes:ff');
+    expect(keyOfValue('\uFFFD')).toBe('\uFFFD');
+    expect(keyOfValue(hex('ef bf bd'))).toBe('\uFFFD');
+    expect(keyOfBytes(hex('ef bf bd'))).toBe('\uFFFD');
+  });
+
+  it('keys numbers and booleans with a type prefix, apart from their text', () => {
+    expect(keyOfValue(42)).toBe('num:42');
+    expect(keyOfValue(-1.5)).toBe('num:-1.5');
+    expect(keyOfValue(true)).toBe('bool:true');
+    expect(keyOfValue('42')).toBe('42');
+    expect(keyOfValue('num:1')).not.toBe(keyOfValue(1));
+  });
+
+  it('has nothing to key in undefined, objects and functions', () => {
+    expect(keyOfValue(undefined)).toBeUndefined();
+    expect(keyOfValue({})).toBeUndefined();
+    expect(keyOfValue(() => 1)).toBeUndefined();
+  });
+
+  it('keyOfField keys typed values as deriveId does', () => {
+    expect(keyOfField({ type: 'l', value: 2n ** 62n + 1n })).toBe(keyOfHeader(int64(2n ** 62n + 1n)));
+    expect(keyOfField({ type: 'S', value: hex('80 00 00 01') })).toBe('bytes:80000001');
+    expect(keyOfField({ type: 'T', value: 1n })).toBeUndefined();
   });
 });
 
 describe('deriveId: message-id', () => {
   const strategies = parseIdFrom('message-id');
 
-  it('keys the AMQP message_id, with the key as headerValue', () => {
+  it('keys the AMQP message_id, with the key as a long string for the value', () => {
     expect(deriveId(msg({ messageId: 'abc-123' }), strategies).id).toEqual({
       key: 'abc-123',
-      headerValue: 'abc-123',
+      value: hex('53 00000007 616263 2d 313233'),
+      own: false,
       strategy: 'message-id',
     });
   });
 
   it('applies the same reserved-prefix and length rules as headers', () => {
     const reserved = deriveId(msg({ messageId: 'num:1' }), strategies).id;
-    expect(reserved?.key).toBe(keyOfHeader('num:1'));
+    expect(reserved?.key).toBe(keyOfHeader(longString('num:1')));
     expect(reserved?.key).not.toBe('num:1');
+    expect(reserved?.value).toEqual(keyAsValue(reserved?.key as string));
     const long = 'm'.repeat(MAX_ID_BYTES + 10);
-    expect(deriveId(msg({ messageId: long }), strategies).id?.key).toBe(keyOfHeader(long));
+    expect(deriveId(msg({ messageId: long }), strategies).id?.key).toBe(keyOfHeader(longString(long)));
   });
 
   it('gives the same key as a header with the same text', () => {
-    expect(deriveId(msg({ messageId: 'same' }), strategies).id?.key).toBe(keyOfHeader('same'));
+    expect(deriveId(msg({ messageId: 'same' }), strategies).id?.key).toBe(keyOfHeader(longString('same')));
   });
 
-  it('is skipped when there is no message_id', () => {
+  it('keys a message_id that is not UTF-8 by its bytes, as a byte array header', () => {
+    const id = deriveId(msg({ messageId: hex('ff fe 80') }), strategies).id;
+    expect(id?.key).toBe('bytes:fffe80');
+    expect(id?.key).toBe(keyOfHeader(bytes(hex('ff fe 80'))));
+    expect(deriveId(msg({ messageId: hex('ff fe 81') }), strategies).id?.key).not.toBe(id?.key);
+    expect(id?.value).toEqual(keyAsValue('bytes:fffe80'));
+  });
+
+  it('is skipped when there is no message_id, or an empty one', () => {
     expect(deriveId(msg(), strategies).id).toBeUndefined();
+    expect(deriveId(msg({ messageId: '' }), strategies).id).toBeUndefined();
   });
 });
+
+// ---- content IDs ------------------------------------------------------------------------------
+
+/**
+ * The content ID of earlier versions, which hashed amqplib's decoded headers: copied from
+ * src/dedup/id.ts as it was before the lossless wire path, as the reference for compatibility.
+ */
+const OLD_CONTENT_NAMESPACE = '3f1c7a52-9b0e-4d4e-8f5a-6c2b9d1e0a47';
+const OLD_VOLATILE_HEADER = /^(x-death|x-first-death-|x-last-death-|x-delivery-count|x-dedup-)/;
+
+function oldContentId(message: {
+  content: Buffer;
+  exchange: string;
+  routingKey: string;
+  headers?: Record<string, unknown> | undefined;
+}): string {
+  const hash = createHash('sha256');
+  hash.update(`${message.exchange.length}:${message.exchange}\n`);
+  hash.update(`${message.routingKey.length}:${message.routingKey}\n`);
+  const headers = message.headers ?? {};
+  for (const name of Object.keys(headers).sort()) {
+    if (OLD_VOLATILE_HEADER.test(name)) continue;
+    hash.update(`${name.length}:${name}=`);
+    oldHashValue(hash, headers[name]);
+  }
+  hash.update(`body:${message.content.length}\n`);
+  hash.update(message.content);
+  return uuidv5(hash.digest(), OLD_CONTENT_NAMESPACE);
+}
+
+function oldHashValue(hash: ReturnType<typeof createHash>, value: unknown): void {
+  if (Buffer.isBuffer(value)) {
+    hash.update(`x${value.length}:`);
+    hash.update(value);
+  } else if (typeof value === 'string') {
+    hash.update(`s${Buffer.byteLength(value)}:${value}`);
+  } else if (Array.isArray(value)) {
+    hash.update(`a${value.length}[`);
+    for (const item of value) oldHashValue(hash, item);
+    hash.update(']');
+  } else if (value !== null && typeof value === 'object') {
+    const table = value as Record<string, unknown>;
+    const keys = Object.keys(table).sort();
+    hash.update(`t${keys.length}{`);
+    for (const key of keys) {
+      hash.update(`${key.length}:${key}=`);
+      oldHashValue(hash, table[key]);
+    }
+    hash.update('}');
+  } else {
+    hash.update(`${typeof value}:${String(value)};`);
+  }
+}
 
 describe('deriveId: content', () => {
   const strategies = parseIdFrom('content');
@@ -392,112 +668,133 @@ describe('deriveId: content', () => {
     const { id } = deriveId(message, strategies);
     if (id === undefined) throw new Error('content strategy gave no ID');
     expect(id.strategy).toBe('content');
-    expect(id.headerValue).toBe(id.key);
+    expect(id.value).toEqual(keyAsValue(id.key));
+    expect(id.own).toBe(false);
+    expect(contentId(message)).toBe(id.key);
     return id.key;
   };
-  const headers = { tenant: 'acme', priority: 3, tags: ['a', 'b'], meta: { k: 'v' } };
-  const base = (): IdSource => msg({ headers: { ...headers } });
+  const HEADER_FIELDS = {
+    tenant: field('tenant', longString('acme')),
+    priority: field('priority', int8(3)),
+    tags: field('tags', array(longString('a'), longString('b'))),
+    meta: field('meta', nested(table(field('k', longString('v'))))),
+  };
+  const headers = (...extra: Buffer[]) => table(...Object.values(HEADER_FIELDS), ...extra);
+  const base = (): IdSource => msg({ headers: headers() });
+  /** The content ID of a message whose only header is h. */
+  const keyOfH = (value: Buffer) => contentKey(msg({ headers: table(field('h', value)) }));
 
   it('is a version-5 UUID', () => {
     expect(contentKey(base())).toMatch(UUID_V5);
-    expect(contentKey(msg({ content: Buffer.alloc(0), exchange: '', routingKey: '' }))).toMatch(UUID_V5);
+    expect(contentKey(msg({}, { content: Buffer.alloc(0), exchange: '', routingKey: '' }))).toMatch(UUID_V5);
   });
 
-  it('collapses identical messages into one ID', () => {
+  it('collapses identical messages into one ID, whatever the order of their headers', () => {
     expect(contentKey(base())).toBe(contentKey(base()));
-    const copy: IdSource = {
-      content: Buffer.from('{"order":1}'),
-      exchange: 'orders',
-      routingKey: 'orders.created',
-      headers: { meta: { k: 'v' }, tags: ['a', 'b'], priority: 3, tenant: 'acme' },
-    };
-    expect(contentKey(copy)).toBe(contentKey(base()));
+    const { tenant, priority, tags, meta } = HEADER_FIELDS;
+    expect(contentKey(msg({ headers: table(meta, tags, priority, tenant) }))).toBe(contentKey(base()));
   });
 
-  it('ignores the message_id', () => {
-    expect(contentKey({ ...base(), messageId: 'one' })).toBe(contentKey({ ...base(), messageId: 'two' }));
+  it('ignores the message_id and the other properties', () => {
+    const one = msg({ headers: headers(), messageId: 'one', priority: 1, userId: 'u', clusterId: 'c' });
+    const two = msg({ headers: headers(), messageId: 'two', timestamp: 5n, contentType: 'text/plain' });
+    expect(contentKey(one)).toBe(contentKey(two));
+    expect(contentKey(one)).toBe(contentKey(base()));
   });
 
-  it('treats no headers and empty headers alike', () => {
-    expect(contentKey(msg())).toBe(contentKey(msg({ headers: {} })));
+  it('treats no headers and an empty table alike', () => {
+    expect(contentKey(msg())).toBe(contentKey(msg({ headers: table() })));
   });
 
   it.each([
-    ['x-death', [{ count: 1, queue: 'q', reason: 'rejected' }]],
-    ['x-first-death-queue', 'q'],
-    ['x-first-death-reason', 'rejected'],
-    ['x-last-death-exchange', 'dlx'],
-    ['x-delivery-count', 4],
-    ['x-dedup-attempt', 2],
-    ['x-dedup-source', 'bridge'],
+    ['x-death', array(nested(table(field('count', int64(1n)), field('queue', longString('q')))))],
+    ['x-first-death-queue', longString('q')],
+    ['x-first-death-reason', longString('rejected')],
+    ['x-last-death-exchange', longString('dlx')],
+    ['x-delivery-count', int64(4n)],
+    ['x-dedup-attempt', int8(2)],
+    ['x-dedup-source', longString('bridge')],
   ])('ignores the redelivery header %s', (name, value) => {
-    const plain = contentKey(base());
-    expect(contentKey(msg({ headers: { ...headers, [name]: value } }))).toBe(plain);
+    expect(contentKey(msg({ headers: headers(field(name, value)) }))).toBe(contentKey(base()));
   });
 
   it('ignores all volatile headers at once', () => {
     const redelivered = msg({
-      headers: {
-        ...headers,
-        'x-death': [{ count: 3 }],
-        'x-delivery-count': 7,
-        'x-dedup-attempt': 9,
-        'x-first-death-queue': 'q',
-      },
+      headers: table(
+        field('x-death', array(nested(table(field('count', int64(3n)))))),
+        ...Object.values(HEADER_FIELDS),
+        field('x-delivery-count', int64(7n)),
+        field('x-dedup-attempt', int8(9)),
+        field('x-first-death-queue', longString('q')),
+      ),
     });
     expect(contentKey(redelivered)).toBe(contentKey(base()));
   });
 
   it('changes when the body changes', () => {
-    expect(contentKey({ ...base(), content: Buffer.from('{"order":2}') })).not.toBe(contentKey(base()));
-    expect(contentKey({ ...base(), content: Buffer.from('{"order":1} ') })).not.toBe(contentKey(base()));
+    expect(contentKey(msg({ headers: headers() }, { content: Buffer.from('{"order":2}') }))).not.toBe(
+      contentKey(base()),
+    );
+    expect(contentKey(msg({ headers: headers() }, { content: Buffer.from('{"order":1} ') }))).not.toBe(
+      contentKey(base()),
+    );
   });
 
   it('changes when the routing key changes', () => {
-    expect(contentKey({ ...base(), routingKey: 'orders.updated' })).not.toBe(contentKey(base()));
+    expect(contentKey(msg({ headers: headers() }, { routingKey: 'orders.updated' }))).not.toBe(
+      contentKey(base()),
+    );
   });
 
   it('changes when the exchange changes', () => {
-    expect(contentKey({ ...base(), exchange: 'orders2' })).not.toBe(contentKey(base()));
-    expect(contentKey({ ...base(), exchange: '' })).not.toBe(contentKey(base()));
+    expect(contentKey(msg({ headers: headers() }, { exchange: 'orders2' }))).not.toBe(contentKey(base()));
+    expect(contentKey(msg({ headers: headers() }, { exchange: '' }))).not.toBe(contentKey(base()));
   });
 
   it('does not mix up exchange and routing key', () => {
-    const a = msg({ exchange: 'ab', routingKey: 'c' });
-    const b = msg({ exchange: 'a', routingKey: 'bc' });
-    const swapped = msg({ exchange: 'c', routingKey: 'ab' });
+    const a = msg({}, { exchange: 'ab', routingKey: 'c' });
+    const b = msg({}, { exchange: 'a', routingKey: 'bc' });
+    const swapped = msg({}, { exchange: 'c', routingKey: 'ab' });
     expect(contentKey(a)).not.toBe(contentKey(b));
     expect(contentKey(a)).not.toBe(contentKey(swapped));
   });
 
   it('changes when another header is added, removed or changed', () => {
     const plain = contentKey(base());
-    expect(contentKey(msg({ headers: { ...headers, extra: 'x' } }))).not.toBe(plain);
-    expect(contentKey(msg({ headers: { ...headers, tenant: 'other' } }))).not.toBe(plain);
-    expect(contentKey(msg({ headers: { ...headers, priority: 4 } }))).not.toBe(plain);
-    expect(contentKey(msg({ headers: { ...headers, tags: ['a'] } }))).not.toBe(plain);
-    expect(contentKey(msg({ headers: { ...headers, meta: { k: 'w' } } }))).not.toBe(plain);
-    const { tenant: _dropped, ...rest } = headers;
-    expect(contentKey(msg({ headers: rest }))).not.toBe(plain);
+    const { tenant, priority, tags, meta } = HEADER_FIELDS;
+    expect(contentKey(msg({ headers: headers(field('extra', longString('x'))) }))).not.toBe(plain);
+    expect(
+      contentKey(msg({ headers: table(field('tenant', longString('other')), priority, tags, meta) })),
+    ).not.toBe(plain);
+    expect(contentKey(msg({ headers: table(tenant, field('priority', int8(4)), tags, meta) }))).not.toBe(
+      plain,
+    );
+    expect(
+      contentKey(msg({ headers: table(tenant, priority, field('tags', array(longString('a'))), meta) })),
+    ).not.toBe(plain);
+    const metaW = field('meta', nested(table(field('k', longString('w')))));
+    expect(contentKey(msg({ headers: table(tenant, priority, tags, metaW) }))).not.toBe(plain);
+    expect(contentKey(msg({ headers: table(priority, tags, meta) }))).not.toBe(plain);
   });
 
   it('tells header value types apart', () => {
-    const key = (value: unknown) => contentKey(msg({ headers: { h: value } }));
-    expect(key('1')).not.toBe(key(1));
-    expect(key('true')).not.toBe(key(true));
-    expect(key('abc')).not.toBe(key(Buffer.from('abc')));
-    expect(key(['a', 'b'])).not.toBe(key('ab'));
-    expect(key(['a', 'b'])).not.toBe(key(['ab']));
-    expect(key(null)).not.toBe(key('null'));
+    expect(keyOfH(longString('1'))).not.toBe(keyOfH(int8(1)));
+    expect(keyOfH(longString('true'))).not.toBe(keyOfH(bool(true)));
+    expect(keyOfH(longString('abc'))).not.toBe(keyOfH(bytes('abc')));
+    expect(keyOfH(array(longString('a'), longString('b')))).not.toBe(keyOfH(longString('ab')));
+    expect(keyOfH(array(longString('a'), longString('b')))).not.toBe(keyOfH(array(longString('ab'))));
+    expect(keyOfH(voidValue())).not.toBe(keyOfH(longString('null')));
   });
 
   it('does not let a header name and value run together', () => {
-    expect(contentKey(msg({ headers: { ab: 'c' } }))).not.toBe(contentKey(msg({ headers: { a: 'bc' } })));
+    expect(contentKey(msg({ headers: table(field('ab', longString('c'))) }))).not.toBe(
+      contentKey(msg({ headers: table(field('a', longString('bc'))) })),
+    );
   });
 
   it('does not let a header value spill into the body', () => {
-    const a = msg({ headers: { h: 'x' }, content: Buffer.from('yz') });
-    const b = msg({ headers: { h: 'xy' }, content: Buffer.from('z') });
+    const a = msg({ headers: table(field('h', longString('x'))) }, { content: Buffer.from('yz') });
+    const b = msg({ headers: table(field('h', longString('xy'))) }, { content: Buffer.from('z') });
     expect(contentKey(a)).not.toBe(contentKey(b));
   });
 
@@ -505,5 +802,105 @@ describe('deriveId: content', () => {
     const { id } = deriveId(base(), parseIdFrom(DEFAULT_ID_FROM));
     expect(id?.strategy).toBe('content');
     expect(id?.key).toBe(contentKey(base()));
+  });
+
+  describe('tells apart what amqplib decodes alike', () => {
+    it('is the same for the same bytes', () => {
+      const value = () =>
+        table(field('n', int64(2n ** 62n + 1n)), field('s', longString(hex('80 00 00 01'))));
+      expect(contentKey(msg({ headers: value() }))).toBe(contentKey(msg({ headers: value() })));
+    });
+
+    it('64-bit integers past double precision: l 2^62+1, l 2^62+2, T 2^62+1, T 2^62+2', () => {
+      expect(keyOfH(int64(2n ** 62n + 1n))).not.toBe(keyOfH(int64(2n ** 62n + 2n)));
+      expect(keyOfH(timestamp(2n ** 62n + 1n))).not.toBe(keyOfH(timestamp(2n ** 62n + 2n)));
+      expect(keyOfH(int64(2n ** 62n))).not.toBe(keyOfH(float64(2 ** 62)));
+    });
+
+    it('long strings with different bytes that are not UTF-8', () => {
+      expect(keyOfH(longString(hex('80 00 00 01')))).not.toBe(keyOfH(longString(hex('81 00 00 01'))));
+      expect(keyOfH(longString(hex('ff')))).not.toBe(keyOfH(longString('\uFFFD')));
+    });
+
+    it('header names that differ only in bytes that are not UTF-8', () => {
+      const named = (name: Buffer) => contentKey(msg({ headers: table(field(name, int8(1))) }));
+      expect(named(hex('80'))).not.toBe(named(hex('81')));
+      expect(named(hex('ff'))).not.toBe(named(Buffer.from('\uFFFD')));
+      const inner = (name: Buffer) => keyOfH(nested(table(field(name, int8(1)))));
+      expect(inner(hex('80'))).not.toBe(inner(hex('81')));
+    });
+
+    it('a header name that is not UTF-8, and a UTF-8 name that spells out its bytes', () => {
+      const named = (name: Buffer) => contentKey(msg({ headers: table(field(name, int8(1))) }));
+      expect(named(hex('80'))).not.toBe(named(Buffer.from('\u0000bytes:80')));
+      const inner = (name: Buffer) => keyOfH(nested(table(field(name, int8(1)))));
+      expect(inner(hex('80'))).not.toBe(inner(Buffer.from('\u0000bytes:80')));
+    });
+
+    it('a double that is an integer and the same integer: d 1.0 and I 1', () => {
+      expect(keyOfH(float64(1))).not.toBe(keyOfH(int32(1)));
+      expect(keyOfH(float32(1))).not.toBe(keyOfH(int32(1)));
+      expect(keyOfH(float64(-0))).not.toBe(keyOfH(int32(0)));
+    });
+
+    it('a repeated header name, each of its values', () => {
+      const twice = (second: number) =>
+        contentKey(msg({ headers: table(field('r', int8(1)), field('r', int8(second))) }));
+      expect(twice(2)).not.toBe(twice(3));
+      expect(twice(2)).not.toBe(contentKey(msg({ headers: table(field('r', int8(2))) })));
+    });
+  });
+
+  it('equals the content ID of earlier versions for headers amqplib decoded exactly', () => {
+    const cases: [string, Buffer][] = [
+      ['no headers', table()],
+      ['a string', table(field('tenant', longString('acme')))],
+      [
+        'plain headers of every kind',
+        table(
+          field('tenant', longString('acme')),
+          field('größe', longString('ünïcödé ✓ 日本 🎉')),
+          field('🎉', int8(-3)),
+          field('B', uint8(200)),
+          field('s', int16(-300)),
+          field('u', uint16(60000)),
+          field('I', int32(-70000)),
+          field('i', uint32(4000000000)),
+          field('l', int64(-(2n ** 53n) + 1n)),
+          field('yes', bool(true)),
+          field('no', bool(false)),
+          field('raw', bytes(hex('00 ff 80'))),
+          field('void', voidValue()),
+          field('half', float64(1.5)),
+          field('quarter', float32(-0.25)),
+          field('T', timestamp(1700000000n)),
+          field('D', decimal(2, 314)),
+          field('tags', array(longString('a'), int32(2), array(), nested(table()))),
+          field(
+            'meta',
+            nested(
+              table(
+                field('z', longString('last')),
+                field('a', nested(table(field('k', bytes('v'))))),
+                field('10', int8(1)),
+                field('9', int8(2)),
+              ),
+            ),
+          ),
+          field('x-death', array(nested(table(field('count', int64(1n)))))),
+        ),
+      ],
+    ];
+    for (const [label, body] of cases) {
+      for (const route of [
+        { exchange: 'orders', routingKey: 'orders.created' },
+        { exchange: '', routingKey: 'ünï' },
+      ]) {
+        const content = Buffer.from(`{"case":"${label}"}`);
+        const wire = msg({ headers: body, messageId: 'm' }, { content, ...route });
+        const old = oldContentId({ content, ...route, headers: amqplibCodec.decodeFields(body) });
+        expect(contentKey(wire), label).toBe(old);
+      }
+    }
   });
 });
