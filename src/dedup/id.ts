@@ -153,19 +153,24 @@ export function keyOfField(value: FieldValue): string | undefined {
 export function keyOfValue(value: unknown): string | undefined {
   if (typeof value === 'string') return value.length > 0 ? keyOfText(value) : undefined;
   if (Buffer.isBuffer(value)) return value.length > 0 ? keyOfBytes(value) : undefined;
-  if (typeof value === 'number') return keyOfNumber(value);
+  // amqplib writes -0 as the integer 0 (`b 0`).
+  if (typeof value === 'number') return keyOfNumber(Object.is(value, -0) ? 0 : value);
   if (typeof value === 'bigint') return `num:${value}`;
   if (typeof value === 'boolean') return `bool:${value}`;
   return undefined;
 }
 
-// A number's exact value: integers as digits (exact beyond 2^53 too), other finite values as the
-// shortest text that reads back as the same double, which never looks like an integer.
+// A number's exact value. JavaScript's shortest text for a double is exact below 2^53 and never
+// looks like an integer when the double is not one; between 2^53 and 10^21 (where 64-bit integers
+// live) an integral double is written with all its digits, so that it cannot meet an `l` of another
+// value. From 10^21 on the text has an exponent, which no integer key has (as earlier versions).
 function keyOfNumber(value: number): string | undefined {
   if (!Number.isFinite(value)) return undefined;
   if (Object.is(value, -0)) return 'num:-0';
-  if (Number.isInteger(value)) return `num:${Number.isSafeInteger(value) ? value : BigInt(value)}`;
-  return `num:${value}`;
+  if (Number.isInteger(value) && !Number.isSafeInteger(value) && Math.abs(value) < 1e21) {
+    return `num:${BigInt(value)}`;
+  }
+  return capLength(`num:${value}`);
 }
 
 function keyOfText(text: string): string {
@@ -234,16 +239,22 @@ interface HashedField {
 function hashFields(hash: Hash, fields: HashedField[]): void {
   const byName = new Map<string, HashedField[]>();
   for (const field of fields) {
-    const name = isUtf8(field.name)
-      ? field.name.toString('utf8')
-      : `\u0000bytes:${field.name.toString('hex')}`;
+    // A name that is not UTF-8 sorts by its hex form after the others.
+    const name = isUtf8(field.name) ? field.name.toString('utf8') : `\uffff${field.name.toString('hex')}`;
     const same = byName.get(name);
     if (same) same.push(field);
     else byName.set(name, [field]);
   }
   for (const name of [...byName.keys()].sort()) {
     for (const field of byName.get(name) as HashedField[]) {
-      hash.update(`${name.length}:${name}=`);
+      if (isUtf8(field.name)) {
+        hash.update(`${name.length}:${name}=`);
+      } else {
+        // Its raw bytes, behind a mark no UTF-8 name's form starts with (those start with a digit).
+        hash.update(`#${field.name.length}:`);
+        hash.update(field.name);
+        hash.update('=');
+      }
       hashValue(hash, field.value());
     }
   }
