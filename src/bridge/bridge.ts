@@ -1,3 +1,4 @@
+import { sleep } from '../amqp/backoff.js';
 import { AmqpLink } from '../amqp/link.js';
 import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
@@ -9,6 +10,10 @@ import { BridgeError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
+
+// A broker under a resource alarm may never answer a channel close: then the connection's own
+// close (with its timeout) takes over.
+const CLOSE_CONSUMER_MS = 3000;
 
 /** Which connections of a route are up, for health checks and metrics. */
 export interface RouteStatus {
@@ -86,8 +91,10 @@ export async function startBridge(
   let redis: RedisClient | undefined;
   let cache: DedupCache;
   const closeAll = async () => {
-    // Acks still waiting to be covered by a `multiple` one go out before the connection closes.
-    source.sendHeldAcks();
+    // Close the consuming channel first, held acks sent: its close-ok comes after the broker took
+    // every ack on it. A connection closed at once could leave acks buffered on the channel behind
+    // the close, and those messages would come back as duplicates to the next run.
+    await Promise.race([source.closeConsumer(), sleep(CLOSE_CONSUMER_MS)]);
     target.close();
     await Promise.allSettled([sourceLink.close(), targetLink.close()]);
     redis?.disconnect();
