@@ -31,9 +31,15 @@ interface Pending {
  * connection. Publishing waits while the target is disconnected or has blocked us (a memory or
  * disk alarm), and whenever amqplib's write buffer is full ('drain'). A returned message is matched
  * to its publish by its `_HQ_DUPL_ID`: one publish per ID is in flight at a time.
+ *
+ * A message suspected of making the broker close the channel (over its max_message_size, say) is
+ * tried alone on a trial channel of its own, one at a time, so that a close there can only be that
+ * message's doing, and the ordinary publishes go on meanwhile.
  */
 export class TargetPublisher {
   private channel: ConfirmChannel | undefined;
+  private connection: ChannelModel | undefined;
+  private trial: Promise<ConfirmChannel> | undefined;
   private blocked = false;
   private closed = false;
   private wakeReady: (() => void)[] = [];
@@ -57,20 +63,12 @@ export class TargetPublisher {
 
   async attach(connection: ChannelModel): Promise<void> {
     await this.checkDestination(connection);
-    const channel = await connection.createConfirmChannel();
-    const flag: ChannelEnd = { closed: false, byServer: false };
-    this.closedFlags.set(channel, flag);
-    channel.on('error', (error: Error) => {
-      // The broker closes a channel with a reply code (e.g. 406 for a message over max_message_size).
-      if (replyCodeOf(error) !== undefined) flag.byServer = true;
-      this.log.warn({ error: error.message }, 'target channel error');
-      if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
-    });
-    channel.on('return', (message: Message) => this.markReturned(message));
+    const channel = await this.openPublishing(connection, 'target channel');
     channel.on('close', () => {
-      flag.closed = true;
       if (this.channel === channel) this.onBroken('target channel closed');
     });
+    this.connection = connection;
+    this.trial = undefined;
     connection.on('blocked', (reason: string) => {
       this.blocked = true;
       this.log.warn({ reason }, `${this.where}: blocked publishing (resource alarm); waiting`);
@@ -88,7 +86,47 @@ export class TargetPublisher {
 
   detach(): void {
     this.channel = undefined;
+    this.connection = undefined;
+    this.trial = undefined;
     this.drained = undefined;
+  }
+
+  /** A confirm channel whose closes and returns are tracked (the main one, or a trial channel). */
+  private async openPublishing(connection: ChannelModel, name: string): Promise<ConfirmChannel> {
+    const channel = await connection.createConfirmChannel();
+    const flag: ChannelEnd = { closed: false, byServer: false };
+    this.closedFlags.set(channel, flag);
+    channel.on('error', (error: Error) => {
+      // The broker closes a channel with a reply code (e.g. 406 for a message over max_message_size).
+      if (replyCodeOf(error) !== undefined) flag.byServer = true;
+      this.log.warn({ error: error.message }, `${name} error`);
+      if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
+    });
+    channel.on('return', (message: Message) => this.markReturned(message));
+    channel.on('close', () => {
+      flag.closed = true;
+    });
+    return channel;
+  }
+
+  /** The trial channel on the current connection, opened on first use and after each close. */
+  private trialChannel(): Promise<ConfirmChannel> | undefined {
+    const connection = this.connection;
+    if (!connection) return undefined;
+    if (!this.trial) {
+      const opening = this.openPublishing(connection, 'target trial channel');
+      this.trial = opening;
+      opening.then(
+        (channel) =>
+          channel.on('close', () => {
+            if (this.trial === opening) this.trial = undefined;
+          }),
+        () => {
+          if (this.trial === opening) this.trial = undefined;
+        },
+      );
+    }
+    return this.trial;
   }
 
   /** Checks that the destination exists, so a typo fails before anything moves. */
@@ -148,6 +186,28 @@ export class TargetPublisher {
     );
   }
 
+  /**
+   * Publishes one suspect message alone on the trial channel (the caller sends one at a time):
+   * 'killed' then means the broker closed the channel for this very message.
+   */
+  async publishAlone(
+    exchange: string,
+    routingKey: string,
+    header: Buffer,
+    content: Buffer,
+    matchKey: string,
+  ): Promise<PublishOutcome> {
+    if (!(await this.ready())) return 'lost';
+    let channel: ConfirmChannel | undefined;
+    try {
+      channel = await this.trialChannel();
+    } catch {
+      channel = undefined;
+    }
+    if (!channel) return 'lost';
+    return this.publishOn(channel, exchange, routingKey, header, content, matchKey, false);
+  }
+
   private publishOn(
     channel: ConfirmChannel,
     exchange: string,
@@ -155,6 +215,7 @@ export class TargetPublisher {
     header: Buffer,
     content: Buffer,
     matchKey: string,
+    watchDrain = true,
   ): Promise<PublishOutcome> {
     const closed = this.closedFlags.get(channel) as ChannelEnd;
     const pending: Pending = { returned: false };
@@ -174,7 +235,7 @@ export class TargetPublisher {
           // listeners run synchronously, so by the next microtask we know which one it was.
           queueMicrotask(() => settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked'));
         });
-        if (!ok && !this.drained) this.waitForDrain(channel);
+        if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
       } catch (error) {
         if (error instanceof ChannelGoneError) {
           settle('lost');

@@ -62,8 +62,10 @@ interface Entry {
   state: ClaimState | undefined;
   /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
   leading: boolean;
-  /** Times the broker closed the target channel while this message was in flight. */
+  /** Times the broker closed the target channel while this was in flight. */
   suspect: number;
+  /** Why the bridge refuses it, when it does (said in the log and the park reason). */
+  refusal?: string;
 }
 
 /** Why a message is refused; 'unreadable' and 'unpublishable' come with the detail. */
@@ -79,6 +81,9 @@ const REDIS_NO_PERMISSION = /NOPERM|can't run this command/;
 const BUSY_RECHECK_MS = 250;
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
 const MAX_RETRY_MEMORY = 10_000;
+// Remembered IDs that were in flight when the target closed its channel: when one comes back it
+// goes alone at once, so that a poison message kills the ordinary channel once, not each retry.
+const MAX_SUSPECT_MEMORY = 10_000;
 
 function secondsSince(started: number): number {
   return (performance.now() - started) / 1000;
@@ -108,6 +113,7 @@ export class Pipeline {
   private readonly timers = new Map<NodeJS.Timeout, () => void>();
   private readonly active = new Set<Promise<void>>();
   private readonly retryCounts = new Map<string, number>();
+  private readonly suspectIds = new Set<string>();
   private renewTimer: NodeJS.Timeout | undefined;
   private renewing = false;
   /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
@@ -272,6 +278,7 @@ export class Pipeline {
     const key = this.cache.keyOf(id.key);
     const entry: Entry = {
       ...blank,
+      suspect: this.suspectIds.has(key) ? 1 : 0,
       key,
       idField: id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value),
       matchKey: id.value.toString('latin1'),
@@ -361,7 +368,7 @@ export class Pipeline {
       const outcome = outcomes[index] as PublishOutcome;
       if (outcome === 'confirmed') confirmed.push(entry);
       else if (outcome === 'returned') refused.push([entry, 'unroutable']);
-      else if (outcome === 'nacked') refused.push([entry, 'nacked']);
+      else if (outcome === 'nacked') refused.push([entry, 'nacked', entry.refusal]);
       else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', this.target.lastRefusal]);
       else lost.push(entry);
     });
@@ -379,6 +386,7 @@ export class Pipeline {
         this.counters.forwarded++;
         if (entry.state === 'in-doubt') this.counters.inDoubt++;
         this.retryCounts.delete(entry.key as string);
+        this.suspectIds.delete(entry.key as string);
         this.settle(entry, () => this.source.ack(entry.message));
       });
       this.progress();
@@ -387,10 +395,12 @@ export class Pipeline {
     if (refused.length > 0) {
       const refusedEntries = refused.map(([entry]) => entry);
       // A claim that is in doubt stays so: an earlier copy may be on the target, and the next
-      // attempt, by anyone, must flag its copy.
+      // attempt, by anyone, must flag its copy. A nack too leaves its ID in doubt: published to an
+      // exchange bound to several queues, one queue may refuse it while another stored it.
+      const nacked = new Set(refused.filter(([, why]) => why === 'nacked').map(([entry]) => entry));
       const keysOf = (inDoubt: boolean) =>
         refusedEntries
-          .filter((entry) => (entry.state === 'in-doubt') === inDoubt)
+          .filter((entry) => (entry.state === 'in-doubt' || nacked.has(entry)) === inDoubt)
           .map((entry) => entry.key as string);
       await this.redis('release', () => this.cache.release(keysOf(false)));
       await this.redis('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
@@ -434,10 +444,11 @@ export class Pipeline {
     for (let attempt = 1; ; attempt++) {
       if (outcome === 'killed' && !this.abandoned) {
         entry.suspect++;
+        this.rememberSuspect(entry.key as string);
         if (entry.suspect >= 2) {
-          this.log.warn(
-            'the target closed its channel for this message twice, the second time alone: it is refused',
-          );
+          // Alone on its own channel: the close was this message's doing.
+          entry.refusal =
+            'the target closed its channel for this message sent alone (larger than its max_message_size, say)';
           return 'nacked';
         }
       } else if (outcome !== 'lost' || this.abandoned) {
@@ -459,7 +470,16 @@ export class Pipeline {
    * that a message the broker refuses that way (over its max_message_size, say) shows itself.
    */
   private publishOnce(entry: Entry): Promise<PublishOutcome> {
-    return entry.suspect > 0 ? this.alone(() => this.publish(entry)) : this.publish(entry);
+    return entry.suspect > 0 ? this.alone(() => this.publish(entry, true)) : this.publish(entry, false);
+  }
+
+  private rememberSuspect(key: string): void {
+    this.suspectIds.delete(key);
+    this.suspectIds.add(key);
+    if (this.suspectIds.size > MAX_SUSPECT_MEMORY) {
+      const oldest = this.suspectIds.values().next().value;
+      if (oldest !== undefined) this.suspectIds.delete(oldest);
+    }
   }
 
   /** Runs publishes of suspect messages one at a time. */
@@ -477,7 +497,7 @@ export class Pipeline {
    * documented: `_HQ_DUPL_ID` set when the ID came from elsewhere, `x-dedup-in-doubt` removed or
    * added, and a `user_id` the target would refuse moved to a header.
    */
-  private publish(entry: Entry): Promise<PublishOutcome> {
+  private publish(entry: Entry, alone: boolean): Promise<PublishOutcome> {
     const message = entry.message;
     const header = entry.header as ContentHeader;
     const remove = [IN_DOUBT_HEADER];
@@ -496,7 +516,7 @@ export class Pipeline {
     if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
     const bytes = header.splice({ remove, append, dropUserId: foreignUser });
     const routingKey = this.settings.targetRoutingKey ?? message.fields.routingKey;
-    return this.target.publish(
+    return this.target[alone ? 'publishAlone' : 'publish'](
       this.settings.targetExchange,
       routingKey,
       bytes,

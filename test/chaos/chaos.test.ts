@@ -1,6 +1,6 @@
 import amqp from 'amqplib';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { migrateWithReport, uniqueName } from '../helpers.js';
+import { migrateWithReport, startCli, uniqueName } from '../helpers.js';
 import {
   ChaosWorld,
   declare,
@@ -290,58 +290,127 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     expect(result.duplicates).toBe(0);
   });
 
-  it('a message the target refuses by closing its channel (over max_message_size) is parked; the rest arrive once', async () => {
-    await world.target.ctl('eval', 'application:set_env(rabbit, max_message_size, 65536).');
-    try {
-      const { sourceQueue, targetQueue } = await queues('poison');
-      const park = uniqueName('poison-park');
-      await declare(world.source.url, park);
-      const connection = await amqp.connect(world.source.url);
-      const channel = await connection.createConfirmChannel();
-      const ids: string[] = [];
-      for (let i = 0; i < 300; i++) {
-        const poison = i === 150;
-        const id = poison ? 'poison-big' : `poison-${i}`;
-        if (!poison) ids.push(id);
-        channel.sendToQueue(sourceQueue, Buffer.alloc(poison ? 200_000 : 100, 'x'), {
-          persistent: true,
-          headers: { _HQ_DUPL_ID: id },
+  // Several messages the target refuses by closing its channel (over max_message_size), among
+  // thousands, under each policy: every innocent message arrives once, only the poison ones are
+  // refused, and each poison message disturbs the ordinary channel at most once (then it is tried
+  // alone on a channel of its own), so flagged copies stay within one in-flight window per poison.
+  for (const policy of ['park', 'dead-letter', 'requeue'] as const) {
+    it(`several poison messages among thousands (${policy}): the innocent arrive once, only the poison are refused`, async () => {
+      await world.target.ctl('eval', 'application:set_env(rabbit, max_message_size, 65536).');
+      try {
+        const total = 3000;
+        const poisonAt = new Set([300, 900, 1500, 2100, 2700]);
+        const { targetQueue } = await queues(`poison-${policy}`);
+        const sourceQueue = uniqueName(`chaos-poison-${policy}-s`);
+        const held = uniqueName(`poison-${policy}-held`);
+        await declare(world.source.url, held);
+        const connection = await amqp.connect(world.source.url);
+        const channel = await connection.createConfirmChannel();
+        await channel.assertQueue(sourceQueue, {
+          durable: true,
+          arguments:
+            policy === 'dead-letter'
+              ? { 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': held }
+              : {},
         });
+        const innocent: string[] = [];
+        const poison: string[] = [];
+        for (let i = 0; i < total; i++) {
+          const id = poisonAt.has(i) ? `poison-big-${i}` : `poison-${i}`;
+          (poisonAt.has(i) ? poison : innocent).push(id);
+          channel.sendToQueue(sourceQueue, Buffer.alloc(poisonAt.has(i) ? 200_000 : 100, 'x'), {
+            persistent: true,
+            headers: { _HQ_DUPL_ID: id },
+          });
+        }
+        await channel.waitForConfirms();
+        await connection.close();
+        const started = Date.now();
+        const common = [
+          '--source',
+          world.source.url,
+          '--source-queue',
+          sourceQueue,
+          '--target',
+          world.target.url,
+          '--target-queue',
+          targetQueue,
+          '--redis',
+          world.redisAof.url,
+          '--prefetch',
+          String(PREFETCH),
+        ];
+        let output = '';
+        if (policy === 'requeue') {
+          const bridge = startCli(['run', ...common]);
+          // Until the innocent have all arrived, then long enough for each poison message to come
+          // back from its backoff (1 s, then 2 s) and be tried again.
+          const arrived = await waitForTarget(targetQueue, innocent.length, async () => {
+            return (await totalMessages(world.source, sourceQueue)) === poison.length;
+          });
+          await sleep(4_000);
+          bridge.signal('SIGTERM');
+          const exit = await bridge.done;
+          output = exit.stdout;
+          expect(arrived, output.slice(-2000)).toBe(true);
+          expect(exit.code, exit.stderr).toBe(0);
+          // The poison ones wait in the source queue, nowhere else.
+          expect((await drainTarget(world.source.url, sourceQueue)).map((c) => c.id).sort()).toEqual(
+            [...poison].sort(),
+          );
+          // Retried, each time alone: the ordinary channel was closed at most once per poison message.
+          const trialCloses = output
+            .split('\n')
+            .filter((l) => l.includes('"msg":"target trial channel error"'));
+          expect(trialCloses.length).toBeGreaterThan(poison.length);
+        } else {
+          const extra = policy === 'park' ? ['--park-queue', held] : ['--on-unroutable', 'dead-letter'];
+          const run = await migrateWithReport(['migrate', ...common, ...extra, '--idle-timeout', '500ms']);
+          output = run.stdout;
+          expect(run.code, run.stderr).toBe(0);
+          expect(run.report).toMatchObject({
+            forwarded: innocent.length,
+            nacked: poison.length,
+            ...(policy === 'park' ? { parked: poison.length } : { deadLettered: poison.length }),
+          });
+          // The poison ones, and only they, in the park queue or the dead-letter queue.
+          expect((await drainTarget(world.source.url, held)).map((c) => c.id).sort()).toEqual(
+            [...poison].sort(),
+          );
+        }
+        const mainCloses = output.split('\n').filter((l) => l.includes('"msg":"target channel error"'));
+        expect(mainCloses.length).toBeLessThanOrEqual(poison.length);
+        const copies = await drainTarget(world.target.url, targetQueue);
+        const result = score(
+          `poison ×5 (${policy})`,
+          'dedup-bridge',
+          innocent,
+          copies,
+          mainCloses.length,
+          started,
+        );
+        result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+        results.push(result);
+        expect(result.lost).toBe(0);
+        expect(result.unexpected).toBe(0);
+        expect(result.unflagged).toBe(0);
+        expect(result.flagged).toBeLessThanOrEqual(poison.length * PREFETCH);
+      } finally {
+        await world.target.ctl('eval', 'application:set_env(rabbit, max_message_size, 134217728).');
       }
-      await channel.waitForConfirms();
-      await connection.close();
-      const started = Date.now();
-      const run = await migrateWithReport([
-        'migrate',
-        '--source',
-        world.source.url,
-        '--source-queue',
-        sourceQueue,
-        '--target',
-        world.target.url,
-        '--target-queue',
-        targetQueue,
-        '--redis',
-        world.redisAof.url,
-        '--park-queue',
-        park,
-        '--idle-timeout',
-        '500ms',
-        '--log-level',
-        'silent',
-      ]);
-      expect(run.code, run.stderr).toBe(0);
-      expect(run.report).toMatchObject({ parked: 1, forwarded: 299, nacked: 1 });
-      const copies = await drainTarget(world.target.url, targetQueue);
-      const result = score('poison message', 'dedup-bridge', ids, copies, 1, started);
-      result.afterConsumer = await duplicatesAfterConsumer(world, copies);
-      results.push(result);
-      expect(result.lost).toBe(0);
-      expect(result.unflagged).toBe(0);
-      expect(result.afterConsumer).toBe(0);
-      expect(await totalMessages(world.source, park)).toBe(1);
-    } finally {
-      await world.target.ctl('eval', 'application:set_env(rabbit, max_message_size, 134217728).');
+    });
+  }
+
+  /** Until the target holds at least `atLeast` messages and `also` holds. */
+  async function waitForTarget(
+    targetQueue: string,
+    atLeast: number,
+    also: () => Promise<boolean>,
+  ): Promise<boolean> {
+    for (let i = 0; i < 1200; i++) {
+      if ((await totalMessages(world.target, targetQueue)) >= atLeast && (await also())) return true;
+      await sleep(100);
     }
-  });
+    return false;
+  }
 });

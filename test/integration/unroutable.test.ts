@@ -6,9 +6,12 @@ import {
   migrateWithReport,
   openBroker,
   publishAll,
+  runArgs,
   servers,
+  startCli,
   takeAll,
   uniqueName,
+  waitFor,
 } from '../helpers.js';
 
 /** Ten messages: even ones routed by key "good", odd ones by key "bad", which nothing is bound to. */
@@ -163,5 +166,47 @@ describe('unroutable messages are never lost', () => {
     expect((await takeAll(sourceUrl, park)).map((m) => m.properties.messageId).sort()).toEqual(
       [...ids].sort(),
     );
+  });
+
+  it('a publish nacked by one of several queues behind an exchange leaves its ID in doubt: the next copy is flagged', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('fan-src');
+    const stores = uniqueName('fan-a');
+    const full = uniqueName('fan-full');
+    const exchange = uniqueName('fan-ex');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(targetUrl, stores);
+    await declareQueue(targetUrl, full, { arguments: { 'x-max-length': 1, 'x-overflow': 'reject-publish' } });
+    const broker = await openBroker(targetUrl);
+    await broker.channel.assertExchange(exchange, 'fanout', { durable: true });
+    await broker.channel.bindQueue(stores, exchange, '');
+    await broker.channel.bindQueue(full, exchange, '');
+    broker.channel.sendToQueue(full, Buffer.from('filler'));
+    await broker.channel.waitForConfirms();
+    await broker.close();
+    await publishAll(sourceUrl, source, [{ body: 'fan', options: { headers: { _HQ_DUPL_ID: 'fan-1' } } }]);
+
+    const bridge = startCli(runArgs(source, ['--target-exchange', exchange]));
+    try {
+      // The first attempt: stored by one queue, refused by the full one, so nacked.
+      expect(await waitFor(() => /"reason":"nacked"/.test(bridge.output()))).toBe(true);
+      expect(await depthOf(targetUrl, stores)).toBe(1);
+      await takeAll(targetUrl, full); // room again: the retry is taken by both queues
+      expect(await waitFor(async () => (await depthOf(targetUrl, stores)) === 2)).toBe(true);
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);
+    } finally {
+      bridge.signal('SIGTERM');
+    }
+    expect((await bridge.done).code).toBe(0);
+    const copies = (await takeAll(targetUrl, stores)).map((m) => ({
+      id: String(m.properties.headers?._HQ_DUPL_ID),
+      inDoubt: m.properties.headers?.['x-dedup-in-doubt'] === true,
+    }));
+    expect(copies).toEqual([
+      { id: 'fan-1', inDoubt: false },
+      { id: 'fan-1', inDoubt: true },
+    ]);
+    const other = await takeAll(targetUrl, full);
+    expect(other.map((m) => m.properties.headers?.['x-dedup-in-doubt'])).toEqual([true]);
   });
 });
