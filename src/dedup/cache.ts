@@ -322,14 +322,21 @@ export class DedupCache {
   async release(keys: readonly string[], options: { keepInDoubt?: boolean } = {}): Promise<number> {
     const mode = options.keepInDoubt ? 'doubt' : 'drop';
     const codes = await this.perShard(keys, (_, group) =>
-      this.scripts.release(group.length, ...group, this.token, mode),
+      this.scripts.release(group.length, ...group, this.token, mode, this.options.windowMs),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
 
   async renew(keys: readonly string[]): Promise<number> {
     const codes = await this.perShard(keys, (_, group) =>
-      this.scripts.renew(group.length, ...group, this.token, this.options.leaseMs, this.now()),
+      this.scripts.renew(
+        group.length,
+        ...group,
+        this.token,
+        this.options.leaseMs,
+        this.now(),
+        this.options.windowMs,
+      ),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }

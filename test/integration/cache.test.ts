@@ -29,6 +29,7 @@ describe('the Redis cache scripts (real Redis)', () => {
       clock: () => AT,
     });
   const stateOf = async (cache: DedupCache, key: string) => (await cache.lookup([key]))[0]?.state;
+  const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
   const nowMs = async () => {
     const [seconds, micros] = (await redis.time()) as [number, number];
     return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
@@ -108,6 +109,33 @@ describe('the Redis cache scripts (real Redis)', () => {
     const third = await cacheOf(scope, 'third');
     // a was renewed and is still live; b's lease ran out and is taken over in doubt.
     expect(await third.claim([a, b])).toEqual(['busy', 'in-doubt']);
+  });
+
+  it('a claim lives as long as its owner renews it, and is in doubt for a window past its last lease', async () => {
+    // A window shorter than the time in flight (an outage, a memory alarm): the claim must not die
+    // with the window while its owner still renews it. Leases run out on a clock the test moves;
+    // how long Redis keeps the record is real time.
+    const scope = uniqueName('scope');
+    let now = AT;
+    const [windowMs, leaseMs] = [400, 300];
+    const open = (token: string) =>
+      DedupCache.open(redis, { token, leaseMs, windowMs, prefix: 'dedup', scope, clock: () => now });
+    const owner = await open('owner');
+    const other = await open('other');
+    const a = owner.keyOf('a');
+    expect(await owner.claim([a])).toEqual(['new']);
+    for (let elapsed = 0; elapsed < 3 * windowMs; elapsed += 100) {
+      await sleep(100);
+      now += 100;
+      expect(await owner.renew([a])).toBe(1);
+    }
+    expect(await other.claim([a])).toEqual(['busy']);
+    expect(await redis.pttl(a)).toBeGreaterThan(windowMs);
+    // The owner dies: its lease runs out, and the next claim within the window after that takes
+    // the ID over in doubt (its copy may be on the target), not as new.
+    await sleep(leaseMs + 200);
+    now += leaseMs + 200;
+    expect(await other.claim([a])).toEqual(['in-doubt']);
   });
 
   it('keeps committed IDs in small listpack hashes that grow by generations, all still found', async () => {

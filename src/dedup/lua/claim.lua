@@ -4,8 +4,8 @@
 -- ARGV[1]        owner token of the calling process
 -- ARGV[2]        lease in ms: how long the claim protects the ID without renewal
 -- ARGV[3]        the dedup window in ms: how long committed IDs count, and how long a claim record
---                is kept, so that a crashed owner's claim is still recognised as in-doubt when the
---                message comes back
+--                is kept after its lease, so that a crashed owner's claim is still recognised as
+--                in-doubt when the message comes back
 -- ARGV[4]        slice length in ms
 -- ARGV[5]        the IDs' digests, packed (see digest_at in committed.lua)
 -- ARGV[6]        now in ms, or '' for the Redis server's clock (see now_ms in committed.lua)
@@ -14,18 +14,22 @@
 --   1 dup       already committed: the target holds it
 --   2 busy      claimed by another owner whose lease is live
 --   3 in-doubt  claimed by an owner whose lease ran out (now ours): it may be on the target
--- A claim value is c:<owner>:<lease expiry ms>:<1 if in-doubt else 0>. A claim and a committed
+-- A claim value is c:<owner>:<lease expiry ms>:<1 if in-doubt else 0>. The key lives the lease
+-- plus the window, from each claim and renewal: as long as its owner renews it, however long the
+-- message is in flight, and a window past the last lease. A claim and a committed
 -- record never coexist (commit deletes the claim), so the committed IDs are looked up first and a
 -- new ID is claimed with SET NX: one command less for the usual case than reading the claim first.
 -- Our own claim seen again (ioredis re-sends after a reconnect) is renewed and reported as before.
 local now = now_ms(ARGV[6])
 local meta = KEYS[1]
 local token = ARGV[1]
-local expiry = tostring(now + tonumber(ARGV[2]))
+local lease = tonumber(ARGV[2])
+local expiry = tostring(now + lease)
 local new_claim = 'c:' .. token .. ':' .. expiry .. ':0'
-local keep = ARGV[3]
+local window = tonumber(ARGV[3])
+local keep = int(lease + window)
 local slice_ms = tonumber(ARGV[4])
-local slices = read_slices(meta, slice_ms, tonumber(keep), now)
+local slices = read_slices(meta, slice_ms, window, now)
 local reply = {}
 for i = 1, #KEYS - 1 do
   local key = KEYS[i + 1]

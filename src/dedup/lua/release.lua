@@ -4,15 +4,18 @@
 -- ARGV[2]     drop: delete the claim (nothing of it reached the target)
 --             doubt: keep the claim, expired and flagged in-doubt (an earlier copy may be on the
 --             target), so that the next claim by anyone answers in-doubt
+-- ARGV[3]     the dedup window in ms: a claim kept in doubt is kept at least that long from now
 -- Reply: one integer per key: 1 released, 0 not ours (committed, or another owner's)
 local token = ARGV[1]
 local mode = ARGV[2]
+local window = tonumber(ARGV[3])
 local reply = {}
 for i, key in ipairs(KEYS) do
   local value = redis.call('GET', key)
   if value and string.match(value, '^c:([^:]*):') == token then
     if mode == 'doubt' then
-      redis.call('SET', key, 'c:' .. token .. ':0:1', 'KEEPTTL')
+      local keep = math.max(redis.call('PTTL', key), window)
+      redis.call('SET', key, 'c:' .. token .. ':0:1', 'PX', string.format('%d', keep))
     else
       redis.call('DEL', key)
     end

@@ -3,6 +3,9 @@
 -- ARGV[1]     owner token of the calling process
 -- ARGV[2]     lease in ms from now
 -- ARGV[3]     now in ms, or '' for the Redis server's clock (as now_ms in committed.lua)
+-- ARGV[4]     the dedup window in ms: the claim record is kept that long past the new lease (as
+--             claim.lua keeps it), so that it lives as long as its owner renews it, and a crashed
+--             owner's claim is still recognised as in-doubt a window after its last lease
 -- Reply: one integer per key: 1 renewed, 0 no longer ours
 local now = tonumber(ARGV[3])
 if now == nil then
@@ -10,14 +13,16 @@ if now == nil then
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local token = ARGV[1]
-local expiry = tostring(now + tonumber(ARGV[2]))
+local lease = tonumber(ARGV[2])
+local expiry = tostring(now + lease)
+local keep = string.format('%d', lease + tonumber(ARGV[4]))
 local reply = {}
 for i, key in ipairs(KEYS) do
   local value = redis.call('GET', key)
   local owner, flag = nil, nil
   if value then owner, flag = string.match(value, '^c:([^:]*):%d+:([01])$') end
   if owner == token then
-    redis.call('SET', key, 'c:' .. token .. ':' .. expiry .. ':' .. flag, 'KEEPTTL')
+    redis.call('SET', key, 'c:' .. token .. ':' .. expiry .. ':' .. flag, 'PX', keep)
     reply[i] = 1
   else
     reply[i] = 0
