@@ -138,6 +138,24 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await other.claim([a])).toEqual(['in-doubt']);
   });
 
+  it('a renewal that runs after a release in doubt does not make the claim live again', async () => {
+    const scope = uniqueName('scope');
+    const mine = await pinnedCacheOf(scope, 'mine');
+    const theirs = await pinnedCacheOf(scope, 'theirs');
+    const [a, b, c] = [mine.keyOf('a'), mine.keyOf('b'), mine.keyOf('c')];
+    await mine.claim([a, b, c]);
+    expect(await mine.release([a, c], { keepInDoubt: true })).toBe(2);
+    // A renewal sent before the release and run after it, as one in flight does: b only.
+    expect(await mine.renew([a, b])).toBe(1);
+    expect(await theirs.claim([a, b])).toEqual(['in-doubt', 'busy']);
+    // Kept in doubt for a window from the release.
+    expect(await redis.pttl(c)).toBeGreaterThan(WINDOW - 10_000);
+    // Claimed again by its owner, it is live again (in doubt) and renewals hold it.
+    expect(await mine.claim([c])).toEqual(['in-doubt']);
+    expect(await mine.renew([c])).toBe(1);
+    expect(await theirs.claim([c])).toEqual(['busy']);
+  });
+
   it('keeps committed IDs in small listpack hashes that grow by generations, all still found', async () => {
     const scope = uniqueName('scope');
     const cache = await pinnedCacheOf(scope, 'bulk');

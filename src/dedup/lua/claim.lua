@@ -14,9 +14,10 @@
 --   1 dup       already committed: the target holds it
 --   2 busy      claimed by another owner whose lease is live
 --   3 in-doubt  claimed by an owner whose lease ran out (now ours): it may be on the target
--- A claim value is c:<owner>:<lease expiry ms>:<1 if in-doubt else 0>. The key lives the lease
--- plus the window, from each claim and renewal: as long as its owner renews it, however long the
--- message is in flight, and a window past the last lease. A claim and a committed
+-- A claim value is c:<owner>:<lease expiry ms>:<1 if in-doubt else 0>; a lease expiry of 0 marks a
+-- claim its owner released in doubt (release.lua), which no renewal re-arms. The key lives the
+-- lease plus the window, from each claim and renewal: as long as its owner renews it, however long
+-- the message is in flight, and a window past the last lease. A claim and a committed
 -- record never coexist (commit deletes the claim), so the committed IDs are looked up first and a
 -- new ID is claimed with SET NX: one command less for the usual case than reading the claim first.
 -- Our own claim seen again (ioredis re-sends after a reconnect) is renewed and reported as before.

@@ -6,6 +6,8 @@
 --             target), so that the next claim by anyone answers in-doubt
 -- ARGV[3]     the dedup window in ms: a claim kept in doubt is kept at least that long from now
 -- Reply: one integer per key: 1 released, 0 not ours (committed, or another owner's)
+-- A claim kept in doubt has lease expiry 0: the mark of a released claim, which renew.lua never
+-- re-arms (a real expiry is now plus a lease). Only a new claim takes it again (claim.lua).
 local token = ARGV[1]
 local mode = ARGV[2]
 local window = tonumber(ARGV[3])
