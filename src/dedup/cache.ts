@@ -19,6 +19,7 @@ const SCRIPTS = {
   renew: false,
   lookup: true,
   forget: true,
+  relayout: false,
 } as const;
 type ScriptName = keyof typeof SCRIPTS;
 
@@ -57,7 +58,10 @@ export function newOwnerToken(): string {
 /**
  * How a scope's records are laid out, fixed when the scope is first written (a reader with
  * another layout would not find the IDs): how many Redis Cluster slots they are spread over, and
- * how much commit time one slice of committed IDs covers.
+ * how much commit time one slice of committed IDs covers. Each slot shard stores its layout in its
+ * own slot too (`<base>:layout`; with one shard that is the scope's layout key), and the scripts go
+ * by that one, not by what the caller read at start: the slice length of a scope with nothing
+ * committed may be changed by a process with a longer window (see `open`).
  */
 export interface CacheLayout {
   shards: number;
@@ -151,10 +155,17 @@ function packedDigests(keys: readonly string[]): Buffer {
   );
 }
 
-/** The key count and keys of a script that reads committed IDs: the shard's meta hash first. */
+/**
+ * The key count and keys of a script that reads committed IDs: the shard's meta hash and layout
+ * key first.
+ */
 function withMeta(base: string, keys: readonly string[]): [number, ...string[]] {
-  return [keys.length + 1, `${base}:m`, ...keys];
+  return [keys.length + 2, `${base}:m`, `${base}:layout`, ...keys];
 }
+
+// The scripts' reply when a shard's stored layout spreads the scope over another number of shards
+// than the caller's: its keys would be on the wrong shards.
+const LAYOUT_ERROR = /^DEDUPLAYOUT /;
 
 export interface DedupCacheOptions {
   token: string;
@@ -201,13 +212,19 @@ export class DedupCache {
    */
   expectedIds = 0;
   private readonly scripts: Record<ScriptName, ScriptCall>;
+  /** What the caller passes the scripts; each shard's stored layout counts (see CacheLayout). */
+  private current: CacheLayout;
+  /** The same as the scripts take it: the default for a shard that stores none. */
+  private currentText: string;
 
   private constructor(
     readonly redis: RedisClient,
     private readonly options: DedupCacheOptions,
-    readonly layout: CacheLayout,
+    layout: CacheLayout,
   ) {
     this.token = options.token;
+    this.current = layout;
+    this.currentText = formatLayout(layout);
     const calls = {} as Record<ScriptName, ScriptCall>;
     for (const name of Object.keys(SCRIPTS) as ScriptName[]) {
       const command = `dedupBridge_${name}`;
@@ -234,27 +251,45 @@ export class DedupCache {
     };
     await redis.set(key, formatLayout(wanted), 'NX');
     const stored = await redis.get(key);
-    let layout = stored === null ? wanted : parseLayout(stored, key);
+    const layout = stored === null ? wanted : parseLayout(stored, key);
     if (typeof options.shards === 'number' && options.shards !== layout.shards) {
       throw new ConfigError(
         `--cache-shards: scope "${options.scope}" is stored over ${layout.shards} shard(s); keep that number (with another, the IDs it remembers would not be found)`,
       );
     }
+    const cache = new DedupCache(redis, options, layout);
     // The first writer's window set the slice length; a much longer window would make every
     // lookup walk many slices. Nothing committed yet: take a slice length that suits this window.
     if (options.windowMs > layout.sliceMs * MAX_SLICES_PER_WINDOW) {
-      const metas = Array.from({ length: layout.shards }, (_, shard) =>
-        redis.exists(`${baseOf(options.prefix, options.scope, shard, layout.shards)}:m`),
-      );
-      if ((await Promise.all(metas)).some((found) => found > 0)) {
-        throw new ConfigError(
-          `--dedup-window: scope "${options.scope}" keeps its IDs in slices of ${formatDuration(layout.sliceMs)} (set by the window it was first written with); a window over ${formatDuration(layout.sliceMs * MAX_SLICES_PER_WINDOW)} would make every lookup walk more than ${MAX_SLICES_PER_WINDOW} slices: use a shorter window, or another --scope`,
-        );
-      }
-      layout = { ...layout, sliceMs: wanted.sliceMs };
-      await redis.set(key, formatLayout(layout));
+      await cache.relayout({ ...layout, sliceMs: wanted.sliceMs });
     }
-    return new DedupCache(redis, options, layout);
+    return cache;
+  }
+
+  /**
+   * Re-slices a scope with nothing committed for this process's longer window, shard by shard, each
+   * in one script (no commit lands between the check and the change); processes already running
+   * go by the new layout from their next call. Refused (ConfigError) when IDs are committed.
+   */
+  private async relayout(wider: CacheLayout): Promise<void> {
+    const { prefix, scope } = this.options;
+    const refused = () =>
+      new ConfigError(
+        `--dedup-window: scope "${scope}" keeps its IDs in slices of ${formatDuration(this.current.sliceMs)} (set by the window it was first written with); a window over ${formatDuration(this.current.sliceMs * MAX_SLICES_PER_WINDOW)} would make every lookup walk more than ${MAX_SLICES_PER_WINDOW} slices: use a shorter window, or another --scope`,
+      );
+    // Looked at first, so that a scope in use is refused without changing any shard.
+    const metas = this.bases().map((base) => this.redis.exists(`${base}:m`));
+    if ((await Promise.all(metas)).some((found) => found > 0)) throw refused();
+    const text = formatLayout(wider);
+    const kept = await Promise.all(
+      this.bases().map((base) => this.scripts.relayout(2, `${base}:m`, `${base}:layout`, text)),
+    );
+    // A commit came first on some shard: it keeps its slices (the scripts read each shard's own).
+    if (kept.some((layout) => layout !== text)) throw refused();
+    // Over several shards the scope's key is another slot's: new processes start from it.
+    if (this.current.shards > 1) await this.redis.set(layoutKey(prefix, scope), text);
+    this.current = wider;
+    this.currentText = text;
   }
 
   /** For the cache tools: the scope's layout if it was ever written, without creating one. */
@@ -266,6 +301,11 @@ export class DedupCache {
     if (stored === null) return undefined;
     const layout = parseLayout(stored, layoutKey(options.prefix, options.scope));
     return new DedupCache(redis, { ...options, token: 'tools', leaseMs: 1000 }, layout);
+  }
+
+  /** The scope's layout as this process read it at start (or set it for its window). */
+  get layout(): CacheLayout {
+    return this.current;
   }
 
   /** The claim key of an ID (its key form from dedup/id); it also names the ID to the other methods. */
@@ -292,7 +332,7 @@ export class DedupCache {
         this.token,
         leaseMs,
         windowMs,
-        this.layout.sliceMs,
+        this.currentText,
         packedDigests(group),
         this.now(),
       ),
@@ -347,7 +387,7 @@ export class DedupCache {
       this.scripts.lookup(
         ...withMeta(base, group),
         this.options.windowMs,
-        this.layout.sliceMs,
+        this.currentText,
         packedDigests(group),
         this.now(),
       ),
@@ -361,7 +401,7 @@ export class DedupCache {
   /** Deletes every record of the keys; returns how many had one. */
   async forget(keys: readonly string[]): Promise<number> {
     const codes = await this.perShard(keys, (base, group) =>
-      this.scripts.forget(...withMeta(base, group), this.layout.sliceMs, packedDigests(group), this.now()),
+      this.scripts.forget(...withMeta(base, group), this.currentText, packedDigests(group), this.now()),
     );
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
@@ -371,12 +411,26 @@ export class DedupCache {
       ...withMeta(base, keys),
       this.token,
       this.options.windowMs,
-      this.layout.sliceMs,
+      this.currentText,
       packedDigests(keys),
       // Each slot shard holds its share of the IDs.
       Math.ceil(this.expectedIds / this.layout.shards),
       this.now(),
     ];
+  }
+
+  /**
+   * A script's DEDUPLAYOUT reply as the error it is: a shard's layout key was written again (or
+   * spoilt) since this process read the scope's, with another shard count, so its keys would be
+   * on the wrong shards. Nothing a retry mends.
+   */
+  private layoutRefusal(error: unknown): unknown {
+    const message = error instanceof Error ? error.message : '';
+    if (!LAYOUT_ERROR.test(message)) return error;
+    return new ConfigError(
+      `scope "${this.options.scope}": ${message.replace(LAYOUT_ERROR, '')}; its layout was written again while this process ran, with another shard count: restart it (with the scope's --cache-shards)`,
+      { cause: error },
+    );
   }
 
   /** The scripts' last argument: the injected clock's time, or '' for the Redis server's TIME. */
@@ -403,9 +457,13 @@ export class DedupCache {
   /** One script call per slot shard, in parallel; the replies come back in the order of `keys`. */
   private async perShard(
     keys: readonly string[],
-    call: (base: string, group: string[]) => Promise<unknown>,
+    shardCall: (base: string, group: string[]) => Promise<unknown>,
   ): Promise<unknown[]> {
     if (keys.length === 0) return [];
+    const call = (base: string, group: string[]) =>
+      shardCall(base, group).catch((error: unknown) => {
+        throw this.layoutRefusal(error);
+      });
     const groups = this.groups(keys);
     if (groups.size === 1) {
       const [base] = groups.keys();

@@ -156,6 +156,63 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await theirs.claim([c])).toEqual(['busy']);
   });
 
+  it('a process that read the layout before an empty scope was re-sliced goes by the new slices', async () => {
+    const scope = uniqueName('scope');
+    const WEEK = 7 * 86_400_000;
+    const open = (token: string, windowMs: number) =>
+      DedupCache.open(redis, { token, leaseMs: 10_000, windowMs, prefix: 'dedup', scope, clock: () => AT });
+    // A opens the empty scope first and slices it by the minute; B's week re-slices it (nothing
+    // committed yet) while A runs on.
+    const a = await open('a', WINDOW);
+    const b = await open('b', WEEK);
+    expect(a.layout.sliceMs).toBe(60_000);
+    expect(b.layout.sliceMs).toBe(WEEK / 4);
+    const [y, z, w] = [b.keyOf('y'), b.keyOf('z'), b.keyOf('w')];
+    expect(await b.claim([y])).toEqual(['new']);
+    expect(await b.commit([y])).toEqual(['committed']);
+    expect(await a.claim([y])).toEqual(['dup']);
+    expect(await stateOf(a, y)).toBe('committed');
+    // What A commits lands in B's slices, as a commit in a handler's transaction does.
+    expect(await a.claim([z, w])).toEqual(['new', 'new']);
+    expect(await a.commit([z])).toEqual(['committed']);
+    const transaction = redis.multi();
+    a.commitIn(transaction, [w]);
+    expect(await transaction.exec()).toEqual([[null, [1]]]);
+    expect(await b.claim([z, w])).toEqual(['dup', 'dup']);
+    expect(await redis.hkeys(`dedup:{${scope}}:m`)).toEqual([String(Math.floor(AT / (WEEK / 4)))]);
+  });
+
+  it('re-slices every shard of an empty scope, and each shard keeps the layout it holds IDs by', async () => {
+    const scope = uniqueName('scope');
+    const WEEK = 7 * 86_400_000;
+    const open = (token: string, windowMs: number) =>
+      DedupCache.open(redis, {
+        token,
+        leaseMs: 10_000,
+        windowMs,
+        prefix: 'dedup',
+        scope,
+        shards: 4,
+        clock: () => AT,
+      });
+    const a = await open('a', WINDOW);
+    const b = await open('b', WEEK);
+    const keys = Array.from({ length: 40 }, (_, i) => b.keyOf(`id-${i}`));
+    expect(await b.claim(keys)).toEqual(keys.map(() => 'new'));
+    expect(await b.commit(keys)).toEqual(keys.map(() => 'committed'));
+    expect(await a.claim(keys)).toEqual(keys.map(() => 'dup'));
+    for (const base of b.bases())
+      expect(await redis.get(`${base}:layout`)).toBe(`v1 shards=4 slice=${WEEK / 4}`);
+    expect(await redis.get(`dedup:{${scope}}:layout`)).toBe(`v1 shards=4 slice=${WEEK / 4}`);
+    // A layout written again with another shard count is refused, not read as if it were ours.
+    await redis.set(`${b.bases()[0]}:layout`, `v1 shards=2 slice=${WEEK / 4}`);
+    const first = keys.find((key) => key.startsWith(`${b.bases()[0]}:`)) as string;
+    await expect(a.claim([first])).rejects.toThrow(ConfigError);
+    await expect(a.claim([first])).rejects.toThrow(
+      /written again while this process ran, with another shard count: restart it/,
+    );
+  });
+
   it('keeps committed IDs in small listpack hashes that grow by generations, all still found', async () => {
     const scope = uniqueName('scope');
     const cache = await pinnedCacheOf(scope, 'bulk');

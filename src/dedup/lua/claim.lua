@@ -1,12 +1,13 @@
 -- claim: take the IDs of a batch before publishing them.
 -- KEYS[1]        the scope shard's meta hash <base>:m (see committed.lua)
--- KEYS[2..n+1]   the claim key of each ID, in the same hash slot: <base>:c:<id>
+-- KEYS[2]        the shard's layout key <base>:layout (see slice_length in committed.lua)
+-- KEYS[3..n+2]   the claim key of each ID, in the same hash slot: <base>:c:<id>
 -- ARGV[1]        owner token of the calling process
 -- ARGV[2]        lease in ms: how long the claim protects the ID without renewal
 -- ARGV[3]        the dedup window in ms: how long committed IDs count, and how long a claim record
 --                is kept after its lease, so that a crashed owner's claim is still recognised as
 --                in-doubt when the message comes back
--- ARGV[4]        slice length in ms
+-- ARGV[4]        the caller's layout, "v1 shards=<n> slice=<ms>" (the stored one counts)
 -- ARGV[5]        the IDs' digests, packed (see digest_at in committed.lua)
 -- ARGV[6]        now in ms, or '' for the Redis server's clock (see now_ms in committed.lua)
 -- Reply: one integer per ID
@@ -14,6 +15,7 @@
 --   1 dup       already committed: the target holds it
 --   2 busy      claimed by another owner whose lease is live
 --   3 in-doubt  claimed by an owner whose lease ran out (now ours): it may be on the target
+-- or an error DEDUPLAYOUT when the stored layout has another shard count (see slice_length).
 -- A claim value is c:<owner>:<lease expiry ms>:<1 if in-doubt else 0>; a lease expiry of 0 marks a
 -- claim its owner released in doubt (release.lua), which no renewal re-arms. The key lives the
 -- lease plus the window, from each claim and renewal: as long as its owner renews it, however long
@@ -29,11 +31,12 @@ local expiry = tostring(now + lease)
 local new_claim = 'c:' .. token .. ':' .. expiry .. ':0'
 local window = tonumber(ARGV[3])
 local keep = int(lease + window)
-local slice_ms = tonumber(ARGV[4])
+local slice_ms, wrong = slice_length(KEYS[2], ARGV[4], true)
+if not slice_ms then return redis.error_reply(wrong) end
 local slices = read_slices(meta, slice_ms, window, now)
 local reply = {}
-for i = 1, #KEYS - 1 do
-  local key = KEYS[i + 1]
+for i = 1, #KEYS - 2 do
+  local key = KEYS[i + 2]
   local field, h = digest_at(ARGV[5], i)
   if find_committed(meta, slices, field, h) then
     reply[i] = 1

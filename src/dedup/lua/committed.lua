@@ -3,8 +3,9 @@
 -- each hash stays small enough for Redis's compact listpack encoding and whole hashes expire:
 --   <base>:m                           meta hash; field <slice> = "<n>:<total>:<expire at>:<B0>,<B1>,..."
 --   <base>:d:<slice>:<gen>:<bucket>    field = 12-byte digest of the ID, value ''
--- The meta key is each script's KEYS[1], so Redis Cluster routes (and, while a slot moves,
--- redirects) the call by it; the buckets share its hash tag.
+-- The meta key is each script's KEYS[1] (and the shard's layout key KEYS[2], see slice_length), so
+-- Redis Cluster routes (and, while a slot moves, redirects) the call by it; the buckets share its
+-- hash tag.
 -- A slice covers slice_ms of commit time (slice = floor(now / slice_ms)). Within a slice the IDs go
 -- to generation 0 with B0 buckets (sized from the previous slice's total, with headroom) until it
 -- holds B0 * FILL IDs, then to generation 1 with 4 times as many buckets, and so on; n counts the
@@ -65,6 +66,24 @@ local function bucket_key(meta, s, g, h)
     s.prefixes[g] = prefix
   end
   return prefix .. text_of(h % s.buckets[g])
+end
+
+-- A shard's layout, "v1 shards=<n> slice=<ms>", is stored in its own hash slot (<base>:layout, each
+-- script's KEYS[2]; with one shard that is the scope's layout key) and is the one that counts: a
+-- process goes on with the layout it read at start, and an empty scope may have been re-sliced for
+-- a longer window since (see DedupCache.open), which would make it judge the newer slices dead.
+-- Returns the stored slice length in ms; a shard with none stored takes the caller's (stored when
+-- `store`). nil and an error text when the stored layout spreads the scope over another number
+-- of shards: the caller's keys would be on the wrong ones, which no retry can mend.
+local function slice_length(layout_key, caller, store)
+  local stored = redis.call('GET', layout_key)
+  if not stored then
+    stored = caller
+    if store then redis.call('SET', layout_key, caller) end
+  end
+  local shards, slice = string.match(stored, '^v1 shards=(%d+) slice=(%d+)$')
+  if slice and shards == string.match(caller, '^v1 shards=(%d+) ') then return tonumber(slice) end
+  return nil, 'DEDUPLAYOUT ' .. layout_key .. ' holds "' .. stored .. '", not "' .. caller .. '" as read at start'
 end
 
 -- The slices this caller's window covers, and the names of those whose expiry has passed.
