@@ -1,9 +1,9 @@
 import type { Channel, ConsumeMessage } from 'amqplib';
-import type { ChainableCommander } from 'ioredis';
-import { backoffDelay, sleep } from '../amqp/backoff.js';
+import type { ChainableCommander, Cluster, Redis } from 'ioredis';
+import { backoffDelay } from '../amqp/backoff.js';
 import { installLosslessReaderFor } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
-import { DedupCache, newOwnerToken } from '../dedup/cache.js';
+import { type ClaimState, DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, keyOfField } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
 import { IN_DOUBT_HEADER } from '../headers.js';
@@ -14,8 +14,9 @@ export interface HandlerContext {
   /** The bridge flagged this copy in-doubt: an earlier copy may have been delivered too. */
   inDoubt: boolean;
   /**
-   * A MULTI on the consumer's Redis. Queue the handler's own writes on it and return; the consumer
-   * adds the ID's mark and runs it, so the effect and the mark land together or not at all.
+   * A MULTI on one of the consumer's own Redis connections. Queue the handler's own writes on it and
+   * return (do not call `exec`): the consumer adds the ID's mark and runs it only while its claim on
+   * the ID holds, so the effect and the mark land together or not at all.
    */
   transaction(): ChainableCommander;
 }
@@ -23,6 +24,7 @@ export interface HandlerContext {
 export interface IdempotentConsumerOptions {
   channel: Channel;
   queue: string;
+  /** Claims and renewals go over it; the consumer opens a few connections like it for its commits. */
   redis: RedisClient;
   /** The consumer's own scope, e.g. "billing": not the bridge's (which marks "on the target"). */
   scope: string;
@@ -34,18 +36,47 @@ export interface IdempotentConsumerOptions {
   /** How long a processed ID is remembered (default 7 days). */
   windowMs?: number;
   prefetch?: number;
-  /** First backoff before a failed message is returned to the queue (default 1 s, doubling to 30 s). */
+  /**
+   * First backoff before a message is returned to the queue after a failure, the handler's or
+   * Redis's (default 1 s, doubling to 30 s).
+   */
   retryDelayMs?: number;
-  /** Told of handler failures (the message is retried). */
+  /** Told of handler and Redis failures (the message is retried). */
   onError?: (error: unknown, message: ConsumeMessage) => void;
 }
 
 export interface IdempotentConsumer {
-  readonly counts: { processed: number; duplicates: number; failures: number; withoutId: number };
+  /**
+   * `lost`: handlers whose claim another consumer took over while they ran (their lease lapsed: a
+   * stalled process or Redis link); their transaction was dropped and the other owner's outcome
+   * stands.
+   */
+  readonly counts: {
+    processed: number;
+    duplicates: number;
+    failures: number;
+    withoutId: number;
+    lost: number;
+  };
+  /** Stops consuming, waits for the messages in hand, and closes the consumer's own Redis connections. */
   stop(): Promise<void>;
 }
 
 const BUSY_RECHECK_MS = 250;
+const MAX_RETRY_DELAY_MS = 30_000;
+/** Redis connections for commits: a WATCH belongs to a connection, so each commit holds one. */
+const COMMIT_CONNECTIONS = 4;
+
+/**
+ * A connection of the consumer's own for commits, used by one commit at a time: WATCH, check the
+ * claim, MULTI … EXEC. Another EXEC on the connection in between would drop the WATCH.
+ */
+interface CommitLane {
+  redis: RedisClient;
+  /** The cache's scripts defined on this connection (a MULTI queues them from its own client). */
+  cache: DedupCache;
+  tail: Promise<unknown>;
+}
 
 /**
  * Runs `handler` once per `_HQ_DUPL_ID`: claim → handler → commit → ack, with leases, as the
@@ -53,6 +84,12 @@ const BUSY_RECHECK_MS = 250;
  * acked without calling the handler. A handler that throws has its claim released and its message
  * returned to the queue after a backoff: retried, never lost. Messages without an ID are handled
  * every time they arrive (counted as `withoutId`).
+ *
+ * The handler's transaction and the ID's mark commit only while this consumer's claim holds (a
+ * WATCH on the claim key): if the lease lapsed and another consumer took the ID over, nothing of
+ * this handler commits; the message waits for the other owner and is acked as a duplicate once it
+ * committed, or is retried after a backoff if it gave up. No ack or nack throws: on a closed
+ * channel the broker redelivers.
  */
 export async function createIdempotentConsumer(
   options: IdempotentConsumerOptions,
@@ -61,24 +98,103 @@ export async function createIdempotentConsumer(
   // IDs are keyed by their bytes on the wire, as the bridge keys them (amqplib's decoded headers
   // lose 64-bit precision and bytes that are not UTF-8): read this connection's headers raw.
   installLosslessReaderFor(channel);
-  const prefix = options.prefix ?? 'dedup';
   const leaseMs = options.leaseMs ?? 30_000;
-  const cache = await DedupCache.open(redis, {
+  const retryDelayMs = options.retryDelayMs ?? 1000;
+  const prefetch = options.prefetch ?? 50;
+  const cacheOptions: DedupCacheOptions = {
     token: newOwnerToken(),
     leaseMs,
     windowMs: options.windowMs ?? 7 * 86_400_000,
-    prefix,
+    prefix: options.prefix ?? 'dedup',
     scope,
     // One slot for the scope, so that a handler's transaction can share it on a Redis Cluster:
     // its own keys carry the hash tag {<scope>}.
     shards: 1,
-  });
-  const counts = { processed: 0, duplicates: 0, failures: 0, withoutId: 0 };
+  };
+  const cache = await DedupCache.open(redis, cacheOptions);
+  const lanes = await openCommitLanes(
+    redis,
+    cacheOptions,
+    Math.max(1, Math.min(COMMIT_CONNECTIONS, prefetch)),
+  );
+  let nextLane = 0;
+  const takeLane = (): CommitLane => lanes[nextLane++ % lanes.length] as CommitLane;
+
+  const counts = { processed: 0, duplicates: 0, failures: 0, withoutId: 0, lost: 0 };
   const attempts = new Map<string, number>();
   const inFlight = new Map<string, Promise<void>>();
+  // Consecutive Redis failures, whatever the message: the backoff grows while Redis is unwell.
+  let redisFailures = 0;
   let stopping = false;
+  const wakers = new Set<() => void>();
 
+  /** Sleeps, or returns at once when the consumer stops. */
+  const pause = (ms: number): Promise<void> =>
+    stopping
+      ? Promise.resolve()
+      : new Promise((resolve) => {
+          const wake = () => {
+            clearTimeout(timer);
+            wakers.delete(wake);
+            resolve();
+          };
+          const timer = setTimeout(wake, ms);
+          wakers.add(wake);
+        });
+
+  // A closed channel cannot ack or nack (amqplib throws); the broker returns every unacked message
+  // then, so there is nothing more to do for it.
+  const ack = (message: ConsumeMessage) => {
+    try {
+      channel.ack(message);
+    } catch {}
+  };
+  const requeue = (message: ConsumeMessage) => {
+    try {
+      channel.nack(message, false, true);
+    } catch {}
+  };
+
+  const report = (error: unknown, message: ConsumeMessage) => {
+    try {
+      options.onError?.(error, message);
+    } catch {}
+  };
+
+  /** Returns the message to the queue after a backoff that grows with `attempt`. */
+  const retryLater = async (message: ConsumeMessage, attempt: number) => {
+    await pause(backoffDelay(attempt, retryDelayMs, MAX_RETRY_DELAY_MS));
+    requeue(message);
+  };
+
+  const nextAttempt = (idKey: string | undefined) => {
+    const attempt = (attempts.get(idKey ?? '') ?? 0) + 1;
+    attempts.set(idKey ?? '', attempt);
+    if (attempts.size > 10_000) attempts.delete(attempts.keys().next().value as string);
+    return attempt;
+  };
+
+  const claim = async (key: string): Promise<ClaimState> => {
+    const [state] = await cache.claim([key]);
+    redisFailures = 0;
+    return state as ClaimState;
+  };
+
+  /** Never throws: every way out acks the message, or returns it to the queue after a backoff. */
   const handle = async (message: ConsumeMessage): Promise<void> => {
+    try {
+      await claimAndRun(message);
+    } catch (error) {
+      // Redis failed (a claim, or the check after a lost claim): the message goes back to the
+      // queue after a backoff that grows while Redis keeps failing.
+      counts.failures++;
+      report(error, message);
+      redisFailures++;
+      await retryLater(message, redisFailures);
+    }
+  };
+
+  const claimAndRun = async (message: ConsumeMessage): Promise<void> => {
     const idKey = idKeyOf(message);
     if (idKey === undefined) {
       counts.withoutId++;
@@ -96,20 +212,14 @@ export async function createIdempotentConsumer(
       }),
     );
     try {
-      for (;;) {
-        const [state] = await cache.claim([key]);
-        if (state === 'dup') {
-          counts.duplicates++;
-          channel.ack(message);
-          return;
-        }
-        if (state === 'busy') {
-          // Another consumer is handling this ID right now: wait for its outcome.
-          await sleep(BUSY_RECHECK_MS);
-          continue;
-        }
+      const state = await untilNotBusy(key);
+      if (state === 'busy') {
+        requeue(message); // stopping
+      } else if (state === 'dup') {
+        counts.duplicates++;
+        ack(message);
+      } else {
         await runHandler(message, key, idKey);
-        return;
       }
     } finally {
       inFlight.delete(key);
@@ -117,75 +227,235 @@ export async function createIdempotentConsumer(
     }
   };
 
+  /** Claims the ID, waiting while another consumer handles it; 'busy' only when stopping. */
+  const untilNotBusy = async (key: string): Promise<ClaimState> => {
+    for (;;) {
+      const state = await claim(key);
+      if (state !== 'busy' || stopping) return state;
+      await pause(BUSY_RECHECK_MS);
+    }
+  };
+
   const runHandler = async (message: ConsumeMessage, key: string | undefined, idKey: string | undefined) => {
+    let lane: CommitLane | undefined;
     let transaction: ChainableCommander | undefined;
     const context: HandlerContext = {
       dedupId: idKey ?? '',
       inDoubt: message.properties.headers?.[IN_DOUBT_HEADER] === true,
       transaction: () => {
-        transaction ??= redis.multi();
+        lane ??= takeLane();
+        transaction ??= lane.redis.multi();
         return transaction;
       },
     };
+    let renewing: Promise<unknown> = Promise.resolve();
     const renew = key
-      ? setInterval(() => void cache.renew([key]).catch(() => 0), Math.floor(leaseMs / 3))
+      ? setInterval(
+          () => {
+            renewing = cache.renew([key]).catch(() => 0);
+          },
+          Math.floor(leaseMs / 3),
+        )
       : undefined;
+    let outcome: 'committed' | 'lost';
     try {
-      await handler(message, context);
-      if (key) {
-        if (transaction) {
-          cache.commitIn(transaction, [key]);
-          const results = await transaction.exec();
-          const failed = results?.find(([error]) => error);
-          if (!results || failed) throw failed?.[0] ?? new Error('transaction aborted');
-        } else {
-          await cache.commit([key]);
-        }
-      } else if (transaction) {
-        await transaction.exec();
+      try {
+        await handler(message, context);
+      } finally {
+        if (renew) clearInterval(renew);
+        // A renewal landing after the WATCH below would abort the commit for nothing.
+        await renewing;
       }
+      if (key) {
+        lane ??= takeLane();
+        outcome = await commitWhileClaimed(lane, key, transaction ?? lane.redis.multi(), message);
+      } else {
+        if (lane && transaction) await exclusive(lane, () => execOrThrow(transaction as ChainableCommander));
+        outcome = 'committed';
+      }
+    } catch (error) {
+      // The handler's MULTI is dropped unsent (ioredis sends it on exec only), or its EXEC failed.
+      counts.failures++;
+      report(error, message);
+      if (key) await cache.release([key]).catch(() => 0);
+      await retryLater(message, nextAttempt(idKey));
+      return;
+    }
+    if (outcome === 'committed') {
       counts.processed++;
       if (idKey) attempts.delete(idKey);
-      channel.ack(message);
-    } catch (error) {
-      // A MULTI the handler queued is dropped unsent (ioredis sends it on exec only).
-      counts.failures++;
-      options.onError?.(error, message);
-      if (key) await cache.release([key]).catch(() => 0);
-      const attempt = (attempts.get(idKey ?? '') ?? 0) + 1;
-      attempts.set(idKey ?? '', attempt);
-      if (attempts.size > 10_000) attempts.delete(attempts.keys().next().value as string);
-      if (!stopping) await sleep(backoffDelay(attempt, options.retryDelayMs ?? 1000, 30_000));
-      channel.nack(message, false, true);
-    } finally {
-      if (renew) clearInterval(renew);
+      ack(message);
+      return;
     }
+    // Another consumer took the ID over while the handler ran; its outcome stands. This copy is a
+    // duplicate of whatever it does: acked once it committed, retried later if it gave up.
+    counts.lost++;
+    const state = await untilNotBusy(key as string);
+    if (state === 'dup') {
+      counts.duplicates++;
+      ack(message);
+      return;
+    }
+    // It gave up (released the claim, or its lease lapsed too): the claim we just got is not for
+    // now; the message comes back after a backoff.
+    if (state !== 'busy') await cache.release([key as string]).catch(() => 0);
+    await retryLater(message, nextAttempt(idKey));
   };
 
+  /**
+   * Runs the handler's transaction with the ID's commit, only if our claim still holds: WATCH the
+   * claim key, read it, and EXEC; a claim taken over (or gone) before the EXEC aborts it.
+   */
+  const commitWhileClaimed = (
+    lane: CommitLane,
+    key: string,
+    transaction: ChainableCommander,
+    message: ConsumeMessage,
+  ): Promise<'committed' | 'lost'> =>
+    exclusive(lane, async () => {
+      const replies = await lane.redis.pipeline().watch(key).get(key).exec();
+      const [watchError] = replies?.[0] ?? [new Error('WATCH got no reply')];
+      const [getError, claimValue] = replies?.[1] ?? [new Error('GET got no reply')];
+      if (watchError || getError || !ownsClaim(claimValue, cache.token)) {
+        await unwatch(lane, key);
+        if (watchError || getError) throw watchError ?? getError;
+        return 'lost';
+      }
+      const queued = transaction.length;
+      lane.cache.commitIn(transaction, [key]);
+      if (transaction.length === queued) {
+        await unwatch(lane, key);
+        throw new Error('the commit script is not defined on the commit connection');
+      }
+      const results = await transaction.exec();
+      if (results === null) return 'lost'; // the claim changed after the WATCH
+      const failed = results.find(([error]) => error);
+      if (failed) throw failed[0];
+      const reply = results.at(-1)?.[1] as unknown[] | undefined;
+      if (reply?.[0] !== 1) {
+        // Under the WATCH the commit must find our claim; anything else means the claim key
+        // changed unseen (a redirect to another Cluster node): report it, the mark is in.
+        report(
+          new Error(`the commit of ${key} found no claim of ours (reply ${String(reply?.[0])}) under WATCH`),
+          message,
+        );
+      }
+      return 'committed';
+    });
+
   const running = new Set<Promise<void>>();
-  await channel.prefetch(options.prefetch ?? 50);
-  const { consumerTag } = await channel.consume(
-    queue,
-    (message) => {
-      if (!message) return;
-      const work = handle(message).catch((error: unknown) => {
-        // The cache could not be reached: leave the message to come back.
-        options.onError?.(error, message);
-        channel.nack(message, false, true);
-      });
-      running.add(work);
-      void work.finally(() => running.delete(work));
-    },
-    { noAck: false },
-  );
+  let closing: Promise<void> | undefined;
+  /** Stops taking messages, waits for those in hand, closes the commit connections. Once. */
+  const shutdown = (cancel: boolean): Promise<void> => {
+    closing ??= (async () => {
+      stopping = true;
+      for (const wake of [...wakers]) wake();
+      if (cancel) {
+        try {
+          await channel.cancel(consumerTag);
+        } catch {}
+      }
+      while (running.size > 0) await Promise.allSettled([...running]);
+      await Promise.all(lanes.map((lane) => closeLane(lane)));
+    })();
+    return closing;
+  };
+
+  let consumerTag = '';
+  try {
+    await channel.prefetch(prefetch);
+    ({ consumerTag } = await channel.consume(
+      queue,
+      (message) => {
+        if (!message) return; // cancelled by the broker (the queue was deleted)
+        const work = handle(message).catch((error: unknown) => report(error, message));
+        running.add(work);
+        void work.finally(() => running.delete(work));
+      },
+      { noAck: false },
+    ));
+  } catch (error) {
+    await Promise.all(lanes.map((lane) => closeLane(lane)));
+    throw error;
+  }
+  // The channel is gone (closed by us, the broker or a lost connection): the broker requeues what
+  // was unacked; finish what is in hand and let the commit connections go.
+  channel.once('close', () => void shutdown(false));
   return {
     counts,
-    async stop() {
-      stopping = true;
-      await channel.cancel(consumerTag).catch(() => {});
-      await Promise.allSettled([...running]);
-    },
+    stop: () => shutdown(true),
   };
+}
+
+/** Connections like `redis` for commits, each with the cache's scripts defined on it. */
+async function openCommitLanes(
+  redis: RedisClient,
+  cacheOptions: DedupCacheOptions,
+  count: number,
+): Promise<CommitLane[]> {
+  const lanes: CommitLane[] = [];
+  try {
+    for (let i = 0; i < count; i++) {
+      const connection = commitConnection(redis);
+      lanes.push({ redis: connection, cache: undefined as unknown as DedupCache, tail: Promise.resolve() });
+      connection.on('error', () => {}); // ioredis retries; a commit meanwhile fails and is retried
+      await connection.connect();
+      (lanes.at(-1) as CommitLane).cache = await DedupCache.open(connection, cacheOptions);
+    }
+  } catch (error) {
+    await Promise.all(lanes.map((lane) => closeLane(lane)));
+    throw error;
+  }
+  return lanes;
+}
+
+/**
+ * A connection like `redis` on which a WATCH cannot silently vanish: a command is never queued
+ * while it is down nor sent again after it reconnected (either would run the MULTI on a fresh
+ * connection, without the WATCH); it fails instead, and the message is retried.
+ */
+function commitConnection(redis: RedisClient): RedisClient {
+  const guarded = { enableOfflineQueue: false, autoResendUnfulfilledCommands: false };
+  if ((redis as { isCluster?: boolean }).isCluster === true) {
+    const cluster = redis as Cluster;
+    return cluster.duplicate([], { lazyConnect: true, enableOfflineQueue: false, redisOptions: guarded });
+  }
+  return (redis as Redis).duplicate({ ...guarded, lazyConnect: true });
+}
+
+/**
+ * Drops the lane's WATCH when no EXEC follows. Not with UNWATCH: it names no key, and a Cluster
+ * sends it to any node, while a WATCH left on the right one would abort the lane's next commit. An
+ * EXEC of a MULTI that names the key goes where the WATCH went, and ends it, aborted or not.
+ */
+async function unwatch(lane: CommitLane, key: string): Promise<void> {
+  await lane.redis
+    .multi()
+    .exists(key)
+    .exec()
+    .catch(() => {});
+}
+
+async function closeLane(lane: CommitLane): Promise<void> {
+  await lane.redis.quit().catch(() => lane.redis.disconnect());
+}
+
+/** Runs `work` alone on the lane's connection (commits queue behind each other). */
+function exclusive<T>(lane: CommitLane, work: () => Promise<T>): Promise<T> {
+  const run = lane.tail.then(work, work);
+  lane.tail = run.catch(() => {});
+  return run;
+}
+
+async function execOrThrow(transaction: ChainableCommander): Promise<void> {
+  const results = await transaction.exec();
+  const failed = results?.find(([error]) => error);
+  if (!results || failed) throw failed?.[0] ?? new Error('transaction aborted');
+}
+
+/** A claim value is `c:<owner token>:…` (see claim.lua); a token never contains ':'. */
+function ownsClaim(value: unknown, token: string): boolean {
+  return typeof value === 'string' && value.startsWith(`c:${token}:`);
 }
 
 /** The cache key of a message's `_HQ_DUPL_ID`, from its bytes on the wire, as the bridge keys it. */

@@ -226,4 +226,213 @@ describe('the library: producers, units and the idempotent consumer', () => {
     expect(Object.keys(effects).sort()).toEqual([...ids].sort());
     expect(Object.values(effects).every((value) => value === '1')).toBe(true);
   });
+
+  // Two consumers (two processes in production) on one scope; A's process stalls while its handler
+  // runs, its lease lapses and B takes the ID over. Only one handler's transaction may commit.
+  it.each([{ finishesFirst: 'B, the new owner' }, { finishesFirst: 'A, the stalled owner' }])(
+    'after a lease lapse only the owner’s writes commit; the other copy waits for its outcome and is acked as a duplicate ($finishesFirst finishes first)',
+    async ({ finishesFirst }) => {
+      const { targetUrl, redisUrl } = servers();
+      const queueA = uniqueName('lapse-a');
+      const queueB = uniqueName('lapse-b');
+      await declareQueue(targetUrl, queueA);
+      await declareQueue(targetUrl, queueB);
+      const scope = uniqueName('app');
+      const ledger = uniqueName('ledger');
+      const redisA = new Redis(redisUrl);
+      const redisB = new Redis(redisUrl);
+      const brokerA = await openBroker(targetUrl);
+      const brokerB = await openBroker(targetUrl);
+      const started = { A: gate(), B: gate() };
+      const finish = { A: gate(), B: gate() };
+      const consumerOf = (name: 'A' | 'B', broker: typeof brokerA, queue: string, client: Redis) =>
+        createIdempotentConsumer({
+          channel: broker.channel,
+          queue,
+          redis: client,
+          scope,
+          leaseMs: 1000,
+          retryDelayMs: 50,
+          handler: async (_message, context) => {
+            started[name].open();
+            await finish[name].promise;
+            context.transaction().hincrby(ledger, name, 1);
+          },
+        });
+      const a = await consumerOf('A', brokerA, queueA, redisA);
+      const b = await consumerOf('B', brokerB, queueB, redisB);
+      const copy = { body: 'order-1', options: { headers: { _HQ_DUPL_ID: uniqueName('order') } } };
+      try {
+        await publishAll(targetUrl, queueA, [copy]);
+        await started.A.promise;
+        // A's process stalls: its Redis connection is held by a blocking read, so no renewal goes
+        // out and its lease runs out. B gets a copy of the same ID and, the lease lapsed, takes it over.
+        const stall = uniqueName('stall');
+        const stalled = redisA.blpop(stall, 0);
+        await publishAll(targetUrl, queueB, [copy]);
+        await started.B.promise;
+        await redis.lpush(stall, 'go');
+        await stalled;
+
+        if (finishesFirst.startsWith('B')) {
+          finish.B.open();
+          expect(await waitFor(() => b.counts.processed === 1)).toBe(true);
+          finish.A.open();
+        } else {
+          finish.A.open();
+          // A has tried to commit (and, its claim lost, is waiting for B's outcome).
+          await waitFor(() => a.counts.processed + a.counts.lost === 1, 3000);
+          await sleep(300);
+          finish.B.open();
+        }
+        const settled = (c: typeof a) => c.counts.processed + c.counts.duplicates === 1;
+        expect(await waitFor(() => settled(a) && settled(b), 10_000)).toBe(true);
+      } finally {
+        finish.A.open();
+        finish.B.open();
+        await a.stop();
+        await b.stop();
+        await brokerA.close();
+        await brokerB.close();
+        redisA.disconnect();
+        redisB.disconnect();
+      }
+      // B held the claim when it committed: its write stands, A's was never run.
+      expect(await redis.hgetall(ledger)).toEqual({ B: '1' });
+      expect(b.counts).toMatchObject({ processed: 1, duplicates: 0, failures: 0 });
+      expect(a.counts).toMatchObject({ processed: 0, duplicates: 1, lost: 1 });
+      // Both copies acked: nothing left on the target.
+      expect(await depthOf(targetUrl, queueA)).toBe(0);
+      expect(await depthOf(targetUrl, queueB)).toBe(0);
+    },
+  );
+
+  it('a Redis that refuses the consumer: each retry waits a growing backoff (no hot redelivery loop), then it goes through once', async () => {
+    const { targetUrl, redisUrl } = servers();
+    const queue = uniqueName('refused');
+    await declareQueue(targetUrl, queue);
+    // A Redis user of the consumer's own, so that only its commands can be refused.
+    const user = uniqueName('user');
+    await redis.call('ACL', 'SETUSER', user, 'on', '>secret', '~*', '&*', '+@all');
+    const url = new URL(redisUrl);
+    url.username = user;
+    url.password = 'secret';
+    const limited = new Redis(url.toString());
+    const broker = await openBroker(targetUrl);
+    const errors: number[] = [];
+    let calls = 0;
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis: limited,
+      scope: uniqueName('app'),
+      retryDelayMs: 100,
+      onError: () => errors.push(Date.now()),
+      handler: () => {
+        calls++;
+      },
+    });
+    try {
+      // Claims are scripts: refused, every one.
+      await redis.call('ACL', 'SETUSER', user, '-eval', '-evalsha');
+      await publishAll(targetUrl, queue, [
+        { body: 'x', options: { headers: { _HQ_DUPL_ID: uniqueName('id') } } },
+      ]);
+      await sleep(2500);
+      const refused = errors.length;
+      const gaps = errors.slice(1).map((at, i) => at - (errors[i] ?? at));
+      process.stdout.write(
+        `refused claims in 2.5 s: ${refused}; first gaps ${gaps.slice(0, 8).join(', ')} ms\n`,
+      );
+      // 100, 200, 400, 800 ms (±20%) between attempts: about 5 in 2.5 s, where a hot loop makes thousands.
+      expect(refused).toBeGreaterThanOrEqual(3);
+      expect(refused).toBeLessThanOrEqual(7);
+      expect(gaps.at(-1)).toBeGreaterThanOrEqual(300);
+      expect(calls).toBe(0);
+
+      await redis.call('ACL', 'SETUSER', user, '+@all');
+      expect(await waitFor(() => consumer.counts.processed === 1, 40_000)).toBe(true);
+    } finally {
+      await consumer.stop();
+      await broker.close();
+      limited.disconnect();
+      await redis.call('ACL', 'DELUSER', user);
+    }
+    expect(calls).toBe(1);
+    expect(await depthOf(targetUrl, queue)).toBe(0);
+  });
+
+  it('a channel closed under a running handler: no ack or nack throws out of the consumer; the broker redelivers, the copy is a duplicate', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('closed');
+    await declareQueue(targetUrl, queue);
+    const scope = uniqueName('app');
+    const effect = uniqueName('effect');
+    await publishAll(targetUrl, queue, [
+      { body: 'x', options: { headers: { _HQ_DUPL_ID: uniqueName('id') } } },
+    ]);
+    const rejections: unknown[] = [];
+    const onRejection = (reason: unknown) => rejections.push(reason);
+    process.on('unhandledRejection', onRejection);
+    let calls = 0;
+    const first = await openBroker(targetUrl);
+    const second = await openBroker(targetUrl);
+    try {
+      const consumer = await createIdempotentConsumer({
+        channel: first.channel,
+        queue,
+        redis,
+        scope,
+        retryDelayMs: 50,
+        handler: async (_message, context) => {
+          calls++;
+          context.transaction().incr(effect);
+          // The channel goes (a broker-side close, a network cut) while the handler runs.
+          await first.channel.close();
+        },
+      });
+      expect(await waitFor(() => consumer.counts.processed + consumer.counts.failures > 0, 5000)).toBe(true);
+      await sleep(500);
+      await consumer.stop();
+      expect(rejections).toEqual([]);
+      expect(consumer.counts).toMatchObject({ processed: 1, failures: 0 });
+
+      // The broker returned the unacked message; the next consumer finds its ID committed.
+      const again = await createIdempotentConsumer({
+        channel: second.channel,
+        queue,
+        redis,
+        scope,
+        handler: () => {
+          calls++;
+        },
+      });
+      expect(await waitFor(() => again.counts.duplicates === 1)).toBe(true);
+      await again.stop();
+    } finally {
+      process.off('unhandledRejection', onRejection);
+      await first.close();
+      await second.close();
+    }
+    expect(calls).toBe(1);
+    expect(await redis.get(effect)).toBe('1');
+    expect(await depthOf(targetUrl, queue)).toBe(0);
+  });
 });
+
+interface Gate {
+  promise: Promise<void>;
+  open(): void;
+}
+
+function gate(): Gate {
+  let open: () => void = () => {};
+  const promise = new Promise<void>((resolve) => {
+    open = resolve;
+  });
+  return { promise, open };
+}
+
+function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
