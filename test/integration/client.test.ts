@@ -1,10 +1,13 @@
-import type { ConsumeMessage } from 'amqplib';
+import type { ConsumeMessage, GetMessage } from 'amqplib';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { DedupPublisher, newDedupId, withDedupId } from '../../src/client/producer.js';
 import { publishUnit, UNIT_SIZE_HEADER } from '../../src/client/unit.js';
+import { DedupCache } from '../../src/dedup/cache.js';
+import { keyOfValue } from '../../src/dedup/id.js';
+import { IN_DOUBT_HEADER } from '../../src/headers.js';
 import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
@@ -100,6 +103,8 @@ describe('the library: producers, units and the idempotent consumer', () => {
     );
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     expect(arrived.every((m) => m.properties.headers?.[UNIT_SIZE_HEADER] === 10)).toBe(true);
+    // Each once, and none of them flagged: no copy was ever in doubt.
+    expect(arrived.filter((m) => m.properties.headers?.[IN_DOUBT_HEADER] !== undefined)).toEqual([]);
   });
 
   it('in-doubt copies from a bridge killed between confirm and commit reach the target twice, the handler once', async () => {
@@ -126,9 +131,28 @@ describe('the library: producers, units and the idempotent consumer', () => {
     await new Promise((resolve) => setTimeout(resolve, 1200));
     const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--lease', '1s'));
     expect(run.code).toBe(0);
+
+    // What the target holds, read raw (and left there for the consumer): the first batch twice, the
+    // second copy of each flagged `x-dedup-in-doubt: true`, every other message once and unflagged.
+    const onTarget = await peekAll(targetUrl, target);
+    // Per ID, the in-doubt header of each copy, in queue order.
+    const copiesOf = new Map<string, unknown[]>();
+    for (const message of onTarget) {
+      const id = String(message.properties.headers?._HQ_DUPL_ID);
+      copiesOf.set(id, [...(copiesOf.get(id) ?? []), message.properties.headers?.[IN_DOUBT_HEADER]]);
+    }
+    expect([...copiesOf.keys()].sort()).toEqual([...ids].sort());
+    expect(onTarget).toHaveLength(50 + firstCopies);
+    expect([...copiesOf.values()].filter((flags) => flags.length === 2)).toHaveLength(firstCopies);
+    for (const flags of copiesOf.values()) {
+      expect(flags.length).toBeLessThanOrEqual(2);
+      expect(flags[0], 'a first copy is never flagged').toBeUndefined();
+      if (flags.length === 2) expect(flags[1], 'the second copy is flagged').toBe(true);
+    }
+    // The bridge's own count agrees with what the target holds.
     expect(run.report).toMatchObject({ inDoubt: firstCopies });
 
-    // Raw on the target: the first batch twice, the second copy of each flagged.
+    // The idempotent consumer over those messages: the handler once per ID.
     const broker = await openBroker(targetUrl);
     const handled = new Map<string, number>();
     const scope = uniqueName('app');
@@ -154,6 +178,7 @@ describe('the library: producers, units and the idempotent consumer', () => {
       [...handled.entries()].flatMap(([id, times]) => Array.from({ length: times }, () => id)),
     );
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(await depthOf(targetUrl, target)).toBe(0);
   });
 
   it('a handler that throws is retried, not lost, and not run again after it succeeded', async () => {
@@ -198,7 +223,7 @@ describe('the library: producers, units and the idempotent consumer', () => {
     expect(await depthOf(targetUrl, queue)).toBe(0);
   });
 
-  it('a handler’s Redis writes and the ID mark commit in one MULTI: each effect exactly once', async () => {
+  it('a handler’s Redis writes land with the ID’s mark: each effect exactly once, each ID marked', async () => {
     const { targetUrl } = servers();
     const queue = uniqueName('effects');
     await declareQueue(targetUrl, queue);
@@ -210,11 +235,12 @@ describe('the library: producers, units and the idempotent consumer', () => {
     await publishAll(targetUrl, queue, copies);
     const broker = await openBroker(targetUrl);
     const ledger = uniqueName('ledger');
+    const scope = uniqueName('app');
     const consumer = await createIdempotentConsumer({
       channel: broker.channel,
       queue,
       redis,
-      scope: uniqueName('app'),
+      scope,
       handler: (message, context) => {
         context.transaction().hincrby(ledger, message.content.toString(), 1);
       },
@@ -225,6 +251,12 @@ describe('the library: producers, units and the idempotent consumer', () => {
     const effects = await redis.hgetall(ledger);
     expect(Object.keys(effects).sort()).toEqual([...ids].sort());
     expect(Object.values(effects).every((value) => value === '1')).toBe(true);
+    // Each ID's mark is in the cache, committed (not a claim left behind).
+    const cache = await DedupCache.existing(redis, { prefix: 'dedup', scope, windowMs: 7 * 86_400_000 });
+    expect(cache).toBeDefined();
+    const records = await cache?.lookup(ids.map((id) => cache.keyOf(keyOfValue(id) ?? id)));
+    expect(records?.map((record) => record.state)).toEqual(ids.map(() => 'committed'));
+    expect(await depthOf(targetUrl, queue)).toBe(0);
   });
 
   // Two consumers (two processes in production) on one scope; A's process stalls while its handler
@@ -419,6 +451,23 @@ describe('the library: producers, units and the idempotent consumer', () => {
     expect(await depthOf(targetUrl, queue)).toBe(0);
   });
 });
+
+/** Every message in the queue, in order, left in it: read unacked, then returned by closing the channel. */
+async function peekAll(url: string, queue: string): Promise<GetMessage[]> {
+  const broker = await openBroker(url);
+  const out: GetMessage[] = [];
+  try {
+    for (;;) {
+      const message = await broker.channel.get(queue, { noAck: false });
+      if (message === false) break;
+      out.push(message);
+    }
+  } finally {
+    await broker.close();
+  }
+  expect(await waitFor(async () => (await depthOf(url, queue)) === out.length)).toBe(true);
+  return out;
+}
 
 interface Gate {
   promise: Promise<void>;
