@@ -67,7 +67,7 @@ function need(end: number, at: number, size: number): void {
  * Returns where the field value starting (at its tag) at `at` ends, checking its structure down to
  * the bottom. Throws FieldTableError for anything RabbitMQ could not have written.
  */
-export function skipValue(buf: Buffer, at: number, end: number, depth = 1): number {
+export function skipValue(buf: Buffer, at: number, end: number, depth = 1, deep = true): number {
   need(end, at, 1);
   const tag = buf[at] as number;
   const fixed = FIXED_SIZE[String.fromCharCode(tag)];
@@ -85,7 +85,7 @@ export function skipValue(buf: Buffer, at: number, end: number, depth = 1): numb
   const start = at + 5;
   need(end, start, length);
   const stop = start + length;
-  if (tag === TAG_F || tag === TAG_A) {
+  if (deep && (tag === TAG_F || tag === TAG_A)) {
     if (depth >= MAX_TABLE_DEPTH) {
       throw new FieldTableError(`field table nested deeper than ${MAX_TABLE_DEPTH} levels`);
     }
@@ -115,15 +115,17 @@ export interface FieldSpan {
 
 /**
  * Indexes the fields of a table body (without its 4-byte length) in `buf[start, end)`, checking
- * every nested value. Names are read as UTF-8 for lookups; the bytes stay as they were.
+ * every nested value (`deep`), or only the top level: nested tables and arrays are skipped by their
+ * length, so a table too deep to check can still be read and spliced at its top. Names are read
+ * as UTF-8 for lookups; the bytes stay as they were.
  */
-export function indexTable(buf: Buffer, start: number, end: number): FieldSpan[] {
+export function indexTable(buf: Buffer, start: number, end: number, deep = true): FieldSpan[] {
   const spans: FieldSpan[] = [];
   for (let p = start; p < end; ) {
     const nameLength = buf[p] as number;
     need(end, p + 1, nameLength);
     const valueAt = p + 1 + nameLength;
-    const stop = skipValue(buf, valueAt, end, 1);
+    const stop = skipValue(buf, valueAt, end, 1, deep);
     spans.push({ start: p, valueAt, end: stop, name: buf.toString('utf8', p + 1, valueAt) });
     p = stop;
   }
@@ -132,10 +134,23 @@ export function indexTable(buf: Buffer, start: number, end: number): FieldSpan[]
 
 // ---- the typed form ---------------------------------------------------------------------------
 
-/** Decodes a field value at `at` (its tag) into the typed form; returns it and where it ends. */
-export function decodeValue(buf: Buffer, at: number, end: number, depth = 1): [FieldValue, number] {
-  const stop = skipValue(buf, at, end, depth);
+/**
+ * Decodes a field value at `at` (its tag) into the typed form; returns it and where it ends.
+ * Tables and arrays nested `limit` deep are refused, as skipValue does.
+ */
+export function decodeValue(
+  buf: Buffer,
+  at: number,
+  end: number,
+  depth = 1,
+  limit = MAX_TABLE_DEPTH,
+): [FieldValue, number] {
+  // This level's tag and length; the levels below are checked as they are decoded.
+  const stop = skipValue(buf, at, end, depth, false);
   const tag = String.fromCharCode(buf[at] as number);
+  if ((tag === 'F' || tag === 'A') && depth >= limit) {
+    throw new FieldTableError(`field table nested deeper than ${limit} levels`);
+  }
   const p = at + 1;
   switch (tag) {
     case 't': {
@@ -187,11 +202,11 @@ export function decodeValue(buf: Buffer, at: number, end: number, depth = 1): [F
     case 'x':
       return [{ type: tag, value: Buffer.from(buf.subarray(p + 4, stop)) }, stop];
     case 'F':
-      return [{ type: 'F', value: decodeTableBody(buf, p + 4, stop, depth + 1) }, stop];
+      return [{ type: 'F', value: decodeTableBody(buf, p + 4, stop, depth + 1, limit) }, stop];
     default: {
       const items: FieldValue[] = [];
       for (let q = p + 4; q < stop; ) {
-        const [item, next] = decodeValue(buf, q, stop, depth + 1);
+        const [item, next] = decodeValue(buf, q, stop, depth + 1, limit);
         items.push(item);
         q = next;
       }
@@ -200,22 +215,25 @@ export function decodeValue(buf: Buffer, at: number, end: number, depth = 1): [F
   }
 }
 
-function decodeTableBody(buf: Buffer, start: number, end: number, depth: number): Field[] {
+function decodeTableBody(buf: Buffer, start: number, end: number, depth: number, limit: number): Field[] {
   const fields: Field[] = [];
   for (let p = start; p < end; ) {
     const nameLength = buf[p] as number;
     need(end, p + 1, nameLength);
     const name = Buffer.from(buf.subarray(p + 1, p + 1 + nameLength));
-    const [value, next] = decodeValue(buf, p + 1 + nameLength, end, depth);
+    const [value, next] = decodeValue(buf, p + 1 + nameLength, end, depth, limit);
     fields.push({ name, value });
     p = next;
   }
   return fields;
 }
 
-/** Decodes a table body (the bytes after its 4-byte length) into its ordered, typed fields. */
-export function decodeTable(body: Buffer): Field[] {
-  return decodeTableBody(body, 0, body.length, 1);
+/**
+ * Decodes a table body (the bytes after its 4-byte length) into its ordered, typed fields, refusing
+ * nesting `limit` deep (no limit: as deep as the stack allows, a RangeError past that).
+ */
+export function decodeTable(body: Buffer, limit = MAX_TABLE_DEPTH): Field[] {
+  return decodeTableBody(body, 0, body.length, 1, limit);
 }
 
 /** Encodes typed fields back into a table body; decodeTable's output comes back byte for byte. */

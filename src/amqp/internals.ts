@@ -164,9 +164,57 @@ function readLosslessly(connection: Connection): void {
           fields: propertiesFor(Buffer.from(payload.subarray(12))),
         };
       }
-      return decodeFrame(frame);
+      const decoded = decodeFrame(frame);
+      if (frame.type === FRAME_METHOD) keepRoutingBytes(decoded as { id?: number; fields?: object }, payload);
+      return decoded;
     }
   };
+}
+
+const BASIC_DELIVER = (BASIC_CLASS << 16) | 60;
+const BASIC_GET_OK = (BASIC_CLASS << 16) | 71;
+const BASIC_RETURN = (BASIC_CLASS << 16) | 50;
+const ROUTING_BYTES = Symbol.for('dedup-bridge.routing-bytes');
+
+/** The exchange and routing key of a delivery as the broker sent them (amqplib decodes them as UTF-8). */
+export interface RoutingBytes {
+  exchange: Buffer;
+  routingKey: Buffer;
+}
+
+// Keeps the raw exchange and routing key of a deliver, get-ok or return on its decoded fields.
+function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Buffer): void {
+  let p = 4;
+  const shortstr = () => {
+    const length = payload[p] as number;
+    const bytes = Buffer.from(payload.subarray(p + 1, p + 1 + length));
+    p += 1 + length;
+    return bytes;
+  };
+  if (decoded.id === BASIC_DELIVER) {
+    shortstr(); // consumer tag
+    p += 9; // delivery tag, redelivered
+  } else if (decoded.id === BASIC_GET_OK) {
+    p += 9;
+  } else if (decoded.id === BASIC_RETURN) {
+    p += 2; // reply code
+    shortstr(); // reply text
+  } else {
+    return;
+  }
+  const exchange = shortstr();
+  const routingKey = shortstr();
+  if (decoded.fields && p <= payload.length) {
+    Object.defineProperty(decoded.fields, ROUTING_BYTES, {
+      value: { exchange, routingKey },
+      enumerable: false,
+    });
+  }
+}
+
+/** The raw exchange and routing key of a message read through a connection of the bridge's. */
+export function routingBytesOf(fields: object): RoutingBytes | undefined {
+  return (fields as Record<symbol, RoutingBytes | undefined>)[ROUTING_BYTES];
 }
 
 /**
@@ -208,8 +256,8 @@ export class UnpublishableError extends Error {}
  */
 export function publishRaw(
   channel: Channel,
-  exchange: string,
-  routingKey: string,
+  exchange: string | Buffer,
+  routingKey: string | Buffer,
   header: Buffer,
   content: Buffer,
   onConfirm?: (error: unknown) => void,
@@ -218,11 +266,15 @@ export function publishRaw(
   const connection = internals.connection;
   const record = connection.channels[internals.ch];
   // amqplib replaces a closing or closed channel's send functions with ones that throw.
-  if (record?.channel !== channel || Object.hasOwn(channel, 'sendMessage')) {
-    throw new ChannelGoneError('channel closed');
+  if (
+    record?.channel !== channel ||
+    Object.hasOwn(channel, 'sendMessage') ||
+    Object.hasOwn(connection, 'sendMessage')
+  ) {
+    throw new ChannelGoneError('channel or connection closed');
   }
-  const exchangeBytes = Buffer.from(exchange, 'utf8');
-  const keyBytes = Buffer.from(routingKey, 'utf8');
+  const exchangeBytes = typeof exchange === 'string' ? Buffer.from(exchange, 'utf8') : exchange;
+  const keyBytes = typeof routingKey === 'string' ? Buffer.from(routingKey, 'utf8') : routingKey;
   if (exchangeBytes.length > 255 || keyBytes.length > 255) {
     throw new UnpublishableError('exchange or routing key longer than 255 bytes');
   }

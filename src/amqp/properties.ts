@@ -88,6 +88,12 @@ export class ContentHeader {
       } catch (error) {
         if (!(error instanceof FieldTableError)) throw error;
         this.tableError = `header table: ${error.message}`;
+        // Its top level may still be whole: then fields can be found, removed and added there.
+        try {
+          this.fields = indexTable(bytes, table[0] + 4, table[1], false);
+        } catch (shallow) {
+          if (!(shallow instanceof FieldTableError)) throw shallow;
+        }
       }
     }
   }
@@ -152,22 +158,39 @@ export class ContentHeader {
       else if (kind === 'longlong') out[name] = Number(this.bytes.readBigUInt64BE(start));
       else {
         let decoded: unknown;
+        let known = false;
         Object.defineProperty(out, name, {
           enumerable: true,
           configurable: true,
           get: () => {
-            if (this.tableError === undefined) {
-              decoded ??= toAmqplibTable(decodeTable(this.bytes.subarray(start + 4, end)));
+            if (!known) {
+              decoded = this.decodeForAmqplib(start + 4, end);
+              known = true;
             }
             return decoded;
           },
           set: (value: unknown) => {
             decoded = value;
+            known = true;
           },
         });
       }
     });
     return out as unknown as MessageProperties;
+  }
+
+  /**
+   * The header table as amqplib decodes it. A table too deep for the bridge's limit is still
+   * decoded for an application (amqplib had no limit) unless it exhausts the stack.
+   */
+  private decodeForAmqplib(start: number, end: number): Record<string, unknown> | undefined {
+    try {
+      const limit = this.tableError === undefined ? undefined : Number.POSITIVE_INFINITY;
+      return toAmqplibTable(decodeTable(this.bytes.subarray(start, end), limit));
+    } catch (error) {
+      if (error instanceof FieldTableError || error instanceof RangeError) return undefined;
+      throw error;
+    }
   }
 
   /**

@@ -84,7 +84,12 @@ export class SourceQueue {
       });
       park.on('return', (message: Message) => {
         const pending = this.parkPending.get(parkSeqOf(message));
-        if (pending) pending.returned = true;
+        if (pending) {
+          pending.returned = true;
+        } else {
+          // A return we cannot match: no park in flight may count as done, so all go back.
+          for (const each of this.parkPending.values()) each.returned = true;
+        }
       });
       park.on('close', () => {
         if (this.parkChannel === park) this.onBroken('park channel closed');

@@ -7,6 +7,11 @@ import { ChannelGoneError, publishRaw } from './internals.js';
 import { ContentHeaderError, contentHeaderOf } from './properties.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
+/** Where a publish that cannot be sent says why. */
+export interface Refusal {
+  refusal?: string;
+}
+
 /** What the target said about one publish. */
 export type PublishOutcome =
   | 'confirmed' // stored (and routed) by the target
@@ -45,8 +50,6 @@ export class TargetPublisher {
   private wakeReady: (() => void)[] = [];
   private drained: Promise<void> | undefined;
   private readonly pending = new Map<string, Pending>();
-  /** Why the last 'unpublishable' publish could not be sent. */
-  lastRefusal = '';
   /** Per channel: whether it has closed (then a failed confirm means "lost", not "nacked"). */
   private readonly closedFlags = new WeakMap<ConfirmChannel, ChannelEnd>();
   /** Called when the channel closes under us: the owner reconnects. */
@@ -171,18 +174,19 @@ export class TargetPublisher {
    */
   publish(
     exchange: string,
-    routingKey: string,
+    routingKey: string | Buffer,
     header: Buffer,
     content: Buffer,
     matchKey: string,
+    note: Refusal = {},
   ): Promise<PublishOutcome> {
     // The usual case, connected and not held back, without waiting a turn for ready().
     const channel = this.channel;
     if (channel && !this.blocked && !this.drained && !this.closed) {
-      return this.publishOn(channel, exchange, routingKey, header, content, matchKey);
+      return this.publishOn(channel, exchange, routingKey, header, content, matchKey, note);
     }
     return this.ready().then((ready) =>
-      ready ? this.publishOn(ready, exchange, routingKey, header, content, matchKey) : 'lost',
+      ready ? this.publishOn(ready, exchange, routingKey, header, content, matchKey, note) : 'lost',
     );
   }
 
@@ -192,10 +196,11 @@ export class TargetPublisher {
    */
   async publishAlone(
     exchange: string,
-    routingKey: string,
+    routingKey: string | Buffer,
     header: Buffer,
     content: Buffer,
     matchKey: string,
+    note: Refusal = {},
   ): Promise<PublishOutcome> {
     if (!(await this.ready())) return 'lost';
     let channel: ConfirmChannel | undefined;
@@ -205,16 +210,17 @@ export class TargetPublisher {
       channel = undefined;
     }
     if (!channel) return 'lost';
-    return this.publishOn(channel, exchange, routingKey, header, content, matchKey, false);
+    return this.publishOn(channel, exchange, routingKey, header, content, matchKey, note, false);
   }
 
   private publishOn(
     channel: ConfirmChannel,
     exchange: string,
-    routingKey: string,
+    routingKey: string | Buffer,
     header: Buffer,
     content: Buffer,
     matchKey: string,
+    note: Refusal,
     watchDrain = true,
   ): Promise<PublishOutcome> {
     const closed = this.closedFlags.get(channel) as ChannelEnd;
@@ -242,7 +248,7 @@ export class TargetPublisher {
           return;
         }
         // Nothing was sent: this message cannot go as it is (a header over frame_max, say).
-        this.lastRefusal = error instanceof Error ? error.message : String(error);
+        note.refusal = error instanceof Error ? error.message : String(error);
         settle('unpublishable');
       }
     });

@@ -2,6 +2,7 @@ import type { ConsumeMessage } from 'amqplib';
 import { backoffDelay, sleep } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
 import { encodeValue, rawField } from '../amqp/fields.js';
+import { routingBytesOf } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
@@ -250,11 +251,12 @@ export class Pipeline {
       this.track(this.handleFailure(blank, 'unreadable', header.tableError));
       return;
     }
+    const routing = routingBytesOf(message.fields);
     const { id, rejected } = deriveId(
       {
         content: message.content,
-        exchange: message.fields.exchange,
-        routingKey: message.fields.routingKey,
+        exchange: routing?.exchange ?? message.fields.exchange,
+        routingKey: routing?.routingKey ?? message.fields.routingKey,
         header,
       },
       this.settings.idFrom,
@@ -369,7 +371,7 @@ export class Pipeline {
       if (outcome === 'confirmed') confirmed.push(entry);
       else if (outcome === 'returned') refused.push([entry, 'unroutable']);
       else if (outcome === 'nacked') refused.push([entry, 'nacked', entry.refusal]);
-      else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', this.target.lastRefusal]);
+      else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
       else lost.push(entry);
     });
 
@@ -515,13 +517,18 @@ export class Pipeline {
     }
     if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
     const bytes = header.splice({ remove, append, dropUserId: foreignUser });
-    const routingKey = this.settings.targetRoutingKey ?? message.fields.routingKey;
+    // The message's own routing key as the broker sent it (amqplib's text form may have lost bytes).
+    const routingKey =
+      this.settings.targetRoutingKey ??
+      routingBytesOf(message.fields)?.routingKey ??
+      message.fields.routingKey;
     return this.target[alone ? 'publishAlone' : 'publish'](
       this.settings.targetExchange,
       routingKey,
       bytes,
       message.content,
       entry.matchKey,
+      entry,
     );
   }
 

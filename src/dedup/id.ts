@@ -52,8 +52,9 @@ export function describeStrategy(strategy: IdStrategy): string {
 /** The parts of an AMQP message the ID strategies look at: its raw content header among them. */
 export interface IdSource {
   content: Buffer;
-  exchange: string;
-  routingKey: string;
+  /** As the broker sent them: bytes where the connection kept them (see routingBytesOf). */
+  exchange: string | Buffer;
+  routingKey: string | Buffer;
   header: ContentHeader;
 }
 
@@ -103,8 +104,9 @@ export function deriveId(message: IdSource, strategies: readonly IdStrategy[]): 
     if (strategy.kind === 'message-id') {
       const bytes = header.messageIdBytes;
       if (bytes === undefined || bytes.length === 0) continue;
-      const key = keyOfBytes(bytes);
-      return { id: { key, value: longString(key), own: false, strategy: 'message-id' }, rejected };
+      // `_HQ_DUPL_ID` carries the message_id's own bytes, which key back to the same ID.
+      const value = encodeValue({ type: 'S', value: Buffer.from(bytes) });
+      return { id: { key: keyOfBytes(bytes), value, own: false, strategy: 'message-id' }, rejected };
     }
     const key = contentId(message);
     return { id: { key, value: longString(key), own: false, strategy: 'content' }, rejected };
@@ -151,22 +153,21 @@ export function keyOfField(value: FieldValue): string | undefined {
  * is the key the bridge computes for the field amqplib encodes from that value.
  */
 export function keyOfValue(value: unknown): string | undefined {
-  if (typeof value === 'string') return value.length > 0 ? keyOfText(value) : undefined;
+  // The bytes amqplib writes for it (a lone surrogate becomes U+FFFD).
+  if (typeof value === 'string') return value.length > 0 ? keyOfBytes(Buffer.from(value, 'utf8')) : undefined;
   if (Buffer.isBuffer(value)) return value.length > 0 ? keyOfBytes(value) : undefined;
-  // amqplib writes -0 as the integer 0 (`b 0`).
-  if (typeof value === 'number') return keyOfNumber(Object.is(value, -0) ? 0 : value);
+  if (typeof value === 'number') return keyOfNumber(value);
   if (typeof value === 'bigint') return `num:${value}`;
   if (typeof value === 'boolean') return `bool:${value}`;
   return undefined;
 }
 
-// A number's exact value. JavaScript's shortest text for a double is exact below 2^53 and never
+// A number's exact value (-0 is 0, as IEEE compares them). JavaScript's shortest text for a double is exact below 2^53 and never
 // looks like an integer when the double is not one; between 2^53 and 10^21 (where 64-bit integers
 // live) an integral double is written with all its digits, so that it cannot meet an `l` of another
 // value. From 10^21 on the text has an exponent, which no integer key has (as earlier versions).
 function keyOfNumber(value: number): string | undefined {
   if (!Number.isFinite(value)) return undefined;
-  if (Object.is(value, -0)) return 'num:-0';
   if (Number.isInteger(value) && !Number.isSafeInteger(value) && Math.abs(value) < 1e21) {
     return `num:${BigInt(value)}`;
   }
@@ -208,13 +209,15 @@ function typeName(value: FieldValue): string {
 
 /**
  * UUIDv5 of a SHA-256 over body, exchange, routing key and the stable headers. Every field is hashed
- * with its type and exact value; the forms are those of earlier versions wherever those were exact,
- * so content IDs committed by them still match.
+ * by its kind and exact value, in the forms of earlier versions wherever those were exact, so that
+ * content IDs committed by them still match: numbers by their value, whatever their AMQP type (an
+ * `I 5` and an `l 5`, a `d 42.0` and an `I 42` hash alike, as they did), while what amqplib lost
+ * (64-bit integers no double holds, bytes that are not UTF-8) is hashed exactly.
  */
 export function contentId(message: IdSource): string {
   const hash = createHash('sha256');
-  hash.update(`${message.exchange.length}:${message.exchange}\n`);
-  hash.update(`${message.routingKey.length}:${message.routingKey}\n`);
+  hashName(hash, message.exchange);
+  hashName(hash, message.routingKey);
   const header = message.header;
   const fields = (header.fields ?? [])
     .filter((span) => !VOLATILE_HEADER.test(span.name))
@@ -229,6 +232,19 @@ export function contentId(message: IdSource): string {
 }
 
 type Hash = ReturnType<typeof createHash>;
+
+// An exchange or routing key: as text where it is UTF-8 (as earlier versions did), else its bytes
+// behind a mark that text's form never starts with.
+function hashName(hash: Hash, name: string | Buffer): void {
+  const text = typeof name === 'string' ? name : isUtf8(name) ? name.toString('utf8') : undefined;
+  if (text !== undefined) {
+    hash.update(`${text.length}:${text}\n`);
+  } else {
+    hash.update(`#${name.length}:`);
+    hash.update(name);
+    hash.update('\n');
+  }
+}
 
 interface HashedField {
   name: Buffer;
@@ -309,16 +325,16 @@ function hashValue(hash: Hash, value: FieldValue): void {
       return;
     case 'f':
     case 'd':
-      if (Object.is(value.value, -0)) hash.update('number:-0;');
-      else if (Number.isInteger(value.value)) hash.update(`double:${BigInt(value.value)};`);
-      else hash.update(`number:${value.value};`);
+      hash.update(`number:${value.value};`);
       return;
     default:
       hash.update(`number:${value.value};`);
   }
 }
 
+// A 64-bit integer as earlier versions hashed it (as a double) where that double is exactly it;
+// otherwise by its digits, which earlier versions rounded.
 function integerForm(value: bigint): string {
   const n = Number(value);
-  return Number.isSafeInteger(n) ? `number:${n};` : `bigint:${value};`;
+  return BigInt(n) === value ? `number:${n};` : `bigint:${value};`;
 }

@@ -1,5 +1,6 @@
 import type { ConsumeMessage } from 'amqplib';
 import { connectAmqp } from '../amqp/connect.js';
+import { routingBytesOf } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import { checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
@@ -74,11 +75,12 @@ export async function dryRunQueue(
         unreadable.add(message);
         return undefined;
       }
+      const routing = routingBytesOf(message.fields);
       const { id, rejected } = deriveId(
         {
           content: message.content,
-          exchange: message.fields.exchange,
-          routingKey: message.fields.routingKey,
+          exchange: routing?.exchange ?? message.fields.exchange,
+          routingKey: routing?.routingKey ?? message.fields.routingKey,
           header,
         },
         settings.idFrom,

@@ -1,7 +1,7 @@
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
-import { publishRaw } from '../../src/amqp/internals.js';
+import { publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
 import { contentHeaderOf } from '../../src/amqp/properties.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { withDedupId } from '../../src/client/producer.js';
@@ -462,6 +462,21 @@ describe('the wire path is lossless', () => {
       const properties = basicProperties({ headers: table(field('_HQ_DUPL_ID', id)) });
       return { label, properties, body: Buffer.from(label), expected: properties };
     });
+    // IDs from the message_id, whose keys are not the text itself (a reserved prefix, bytes that
+    // are not UTF-8, over 200 bytes): `_HQ_DUPL_ID` carries the message_id's bytes, which the
+    // consumer keys back to the same ID.
+    for (const [label, messageId] of [
+      ['message_id num:5', Buffer.from(`num:5-${tag}`)],
+      ['message_id not UTF-8', Buffer.concat([Buffer.from(tag), Buffer.from([0xff])])],
+      ['message_id 250 bytes', Buffer.from(`${tag}-`.padEnd(250, 'a'))],
+    ] as const) {
+      sent.push({
+        label,
+        properties: basicProperties({ messageId }),
+        body: Buffer.from(label),
+        expected: basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(messageId))), messageId }),
+      });
+    }
     await publishCorpus(sourceUrl, source, sent);
     // The same text through the library's producer helper: the same ID as the S above.
     const broker = await openBroker(sourceUrl);
@@ -477,12 +492,17 @@ describe('the wire path is lossless', () => {
 
     const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--scope', scope));
     expect(run.code, run.stderr).toBe(0);
-    expect(run.report).toMatchObject({ forwarded: ids.length, duplicates: 2 });
+    expect(run.report).toMatchObject({ forwarded: sent.length, duplicates: 2 });
     await expectForwardedExactly('one per ID type', sent, target);
 
     // Each copy again on the target, read by the idempotent consumer in the bridge's own scope: it
     // finds every ID already committed under the key it computes, so the keys agree.
-    await publishCorpus(targetUrl, target, sent);
+    // What the bridge put on the target, once more (the message_id ones now carry _HQ_DUPL_ID).
+    await publishCorpus(
+      targetUrl,
+      target,
+      sent.map((m) => ({ ...m, properties: m.expected as Buffer })),
+    );
     const redis = new Redis(redisUrl);
     const reader = await openBroker(targetUrl);
     const handled: string[] = [];
@@ -496,13 +516,87 @@ describe('the wire path is lossless', () => {
       },
     });
     try {
-      expect(await waitFor(() => consumer.counts.duplicates === ids.length)).toBe(true);
-      expect(consumer.counts).toMatchObject({ processed: 0, duplicates: ids.length, withoutId: 0 });
+      expect(
+        await waitFor(() => consumer.counts.duplicates === sent.length, 10_000),
+        JSON.stringify(consumer.counts),
+      ).toBe(true);
+      expect(consumer.counts).toMatchObject({ processed: 0, duplicates: sent.length, withoutId: 0 });
     } finally {
       await consumer.stop();
       await reader.close();
       redis.disconnect();
     }
     expect(handled).toEqual([]);
+  });
+
+  it('routing keys that are not UTF-8 travel as they are and, with content IDs, stay two messages', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('key-src');
+    const target = uniqueName('key-dst');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(targetUrl, target);
+    const bind = async (url: string, queue: string) => {
+      const broker = await openBroker(url);
+      await broker.channel.bindQueue(queue, 'amq.topic', 'a.#');
+      await broker.close();
+    };
+    await bind(sourceUrl, source);
+    await bind(targetUrl, target);
+    // The same body and properties under two keys that amqplib decodes to one text ("a.\ufffd").
+    const keys = [Buffer.from([0x61, 0x2e, 0x80]), Buffer.from([0x61, 0x2e, 0x81])];
+    const connection = await connectAmqp(sourceUrl, { side: 'source', retryForMs: 5000, log });
+    const channel = await connection.createConfirmChannel();
+    for (const key of keys)
+      publishRaw(channel, 'amq.topic', key, basicProperties(), Buffer.from('same'), () => {});
+    await channel.waitForConfirms();
+    await connection.close();
+
+    const run = await migrateWithReport(migrateArgs(source, ['--target-exchange', 'amq.topic']));
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: 2, duplicates: 0 });
+    const reader = await connectAmqp(targetUrl, { side: 'target', retryForMs: 5000, log });
+    const got: string[] = [];
+    try {
+      const readChannel = await reader.createChannel();
+      for (;;) {
+        const message = await readChannel.get(target, { noAck: true });
+        if (message === false) break;
+        got.push(routingBytesOf(message.fields)?.routingKey.toString('hex') ?? 'none');
+      }
+    } finally {
+      await reader.close();
+    }
+    expect(got).toEqual(['612e80', '612e81']);
+  });
+
+  it('a parked copy that comes back unroutable is never acked, even with a table too deep to read', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('lostpark-src');
+    const target = uniqueName('lostpark-dst');
+    const park = uniqueName('lostpark-park');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(sourceUrl, park);
+    await declareQueue(targetUrl, target);
+    const bridge = startCli(runArgs(source, ['--target-queue', target], '--park-queue', park));
+    try {
+      expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'))).toBe(true);
+      // The park queue goes away under the running bridge: a parked copy is returned unroutable.
+      const admin = await openBroker(sourceUrl);
+      await admin.channel.deleteQueue(park);
+      await admin.close();
+      const deep = basicProperties({
+        headers: table(field('_HQ_DUPL_ID', longString(uniqueName('deep'))), field('deep', deepValue(70))),
+      });
+      await publishCorpus(sourceUrl, source, [
+        { label: 'deep', properties: deep, body: Buffer.from('precious'), expected: undefined },
+      ]);
+      expect(await waitFor(() => bridge.output().includes('parking failed'))).toBe(true);
+    } finally {
+      bridge.signal('SIGTERM');
+    }
+    expect((await bridge.done).code).toBe(0);
+    const left = await takeRaw(sourceUrl, source);
+    expect(left.map((m) => m.body.toString())).toEqual(['precious']);
+    expect(await depthOf(targetUrl, target)).toBe(0);
   });
 });

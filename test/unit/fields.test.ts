@@ -820,25 +820,49 @@ describe('ContentHeader', () => {
   });
 
   it.each([
-    ['nested too deep', deepValue(MAX_TABLE_DEPTH), /nested deeper than 64/],
-    ['nested 12,000 deep', deepValue(12_000, 'F'), /nested deeper than 64/],
-    ['with an unknown type tag', tagged('Z', hex('01')), /unknown type tag/],
-  ])('reports a table %s in tableError, and still splices exactly', (_label, value, reason) => {
-    const body = table(field('a', int8(1)), field('bad', value), field('_HQ_DUPL_ID', longString('id')));
-    const bytes = basicProperties({ ...EVERY_PROPERTY, headers: body });
-    const header = new ContentHeader(bytes);
-    expect(header.tableError).toMatch(reason);
-    expect(header.fields).toBeUndefined();
-    expect(header.field('_HQ_DUPL_ID')).toBeUndefined();
-    expect(header.toAmqplib().headers).toBeUndefined();
-    expect(header.toAmqplib().messageId).toBe('m-1');
-    expect(header.splice(NO_EDIT)).toBe(bytes);
-    const append = [field('x-dedup-source', longString('bridge'))];
-    const { userId: _dropped, ...rest } = EVERY_PROPERTY;
-    expectBytes(
-      header.splice({ remove: ['a', '_HQ_DUPL_ID'], append, dropUserId: true }),
-      basicProperties({ ...rest, headers: Buffer.concat([body, ...append]) }),
-    );
+    ['nested too deep', deepValue(MAX_TABLE_DEPTH), /nested deeper than 64/, true],
+    ['nested 12,000 deep', deepValue(12_000, 'F'), /nested deeper than 64/, true],
+    ['with an unknown type tag', tagged('Z', hex('01')), /unknown type tag/, false],
+  ])(
+    'reports a table %s in tableError, and still splices exactly',
+    (_label, value, reason, topLevelWhole) => {
+      const body = table(field('a', int8(1)), field('bad', value), field('_HQ_DUPL_ID', longString('id')));
+      const bytes = basicProperties({ ...EVERY_PROPERTY, headers: body });
+      const header = new ContentHeader(bytes);
+      expect(header.tableError).toMatch(reason);
+      expect(header.toAmqplib().messageId).toBe('m-1');
+      expect(header.splice(NO_EDIT)).toBe(bytes);
+      const append = [field('x-dedup-source', longString('bridge'))];
+      const { userId: _dropped, ...rest } = EVERY_PROPERTY;
+      const spliced = header.splice({ remove: ['a', '_HQ_DUPL_ID'], append, dropUserId: true });
+      if (topLevelWhole) {
+        // Its top level is whole: fields are found, taken out and added there; the deep value stays.
+        expect(header.fields?.map((span) => span.name)).toEqual(['a', 'bad', '_HQ_DUPL_ID']);
+        const id = header.field('_HQ_DUPL_ID');
+        expect(id && header.valueBytes(id)).toEqual(longString('id'));
+        expectBytes(
+          spliced,
+          basicProperties({ ...rest, headers: Buffer.concat([field('bad', value), ...append]) }),
+        );
+        // An application still reads what amqplib would, unless the nesting exhausts the stack.
+        expect(() => header.toAmqplib().headers).not.toThrow();
+      } else {
+        expect(header.fields).toBeUndefined();
+        expect(header.field('_HQ_DUPL_ID')).toBeUndefined();
+        expect(header.toAmqplib().headers).toBeUndefined();
+        expectBytes(spliced, basicProperties({ ...rest, headers: Buffer.concat([body, ...append]) }));
+      }
+    },
+  );
+
+  it('decodes for applications a table deeper than the bridge reads, as amqplib did', () => {
+    const body = table(field('a', int8(1)), field('deep', deepValue(MAX_TABLE_DEPTH + 1)));
+    const headers = new ContentHeader(basicProperties({ headers: body })).toAmqplib().headers as Record<
+      string,
+      unknown
+    >;
+    expect(headers.a).toBe(1);
+    expect(Array.isArray(headers.deep)).toBe(true);
   });
 
   it('leaves tableError unset for a readable table', () => {
