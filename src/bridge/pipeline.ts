@@ -8,7 +8,7 @@ import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import type { ClaimState, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
-import { FatalConnectError } from '../errors.js';
+import { ConfigError, FatalConnectError } from '../errors.js';
 import { IN_DOUBT_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
 import { newCounters, type RouteCounters } from './counters.js';
@@ -667,6 +667,8 @@ export class Pipeline {
         }
         return result;
       } catch (error) {
+        // A cache layout this process cannot follow (see DedupCache): retrying cannot fix that.
+        if (error instanceof ConfigError) throw error;
         // The Redis user lacks a command the bridge needs: retrying cannot fix that.
         if (REDIS_NO_PERMISSION.test(describe(error))) {
           throw new FatalConnectError(
