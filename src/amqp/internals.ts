@@ -340,3 +340,12 @@ function frameStart(out: Buffer, at: number, type: number, channel: number, size
   p = out.writeUInt16BE(channel, p);
   return out.writeUInt32BE(size, p);
 }
+
+/** The cluster a connected broker says it belongs to (RabbitMQ's `cluster_name`), if it says. */
+export function clusterNameOf(model: ChannelModel): string | undefined {
+  const properties = (connectionOf(model) as unknown as { serverProperties?: Record<string, unknown> })
+    .serverProperties;
+  const name = properties?.cluster_name;
+  if (typeof name === 'string') return name;
+  return Buffer.isBuffer(name) ? name.toString('utf8') : undefined;
+}

@@ -6,6 +6,7 @@ import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
 import { ConnectCancelled, connectAmqpAny } from './connect.js';
 import { describe } from './errors.js';
+import { clusterNameOf } from './internals.js';
 
 // A broker under a resource alarm may never read our Close: give it this long, then drop the socket.
 const CLOSE_TIMEOUT_MS = 3000;
@@ -51,6 +52,11 @@ export class AmqpLink {
   private reconnecting = false;
   /** When the link went down; undefined while connected. */
   downSince: number | undefined;
+  /**
+   * The broker reached last, as `<cluster name>/<vhost>`: the same for every node (and every URL)
+   * of one cluster; undefined before the first connection.
+   */
+  identity: string | undefined;
   onFatal: (error: BridgeError) => void = () => {};
 
   private readonly urls: readonly string[];
@@ -84,6 +90,8 @@ export class AmqpLink {
       tls: this.options.tls,
     });
     this.where = this.describeUrl(index);
+    const url = this.urls[index] as string;
+    this.identity = `${clusterNameOf(connection) ?? hostOf(url)}/${vhostOf(url)}`;
     // A failed setup (e.g. that node is out of the cluster) or a later loss moves on to the next node.
     this.next = (index + 1) % this.urls.length;
     try {
@@ -163,5 +171,24 @@ export class AmqpLink {
     const connection = this.connection;
     this.connection = undefined;
     if (connection) await closeWithin(connection, CLOSE_TIMEOUT_MS);
+  }
+}
+
+/** Host and port of a URL, never its credentials. */
+function hostOf(url: string): string {
+  try {
+    return new URL(url).host;
+  } catch {
+    return 'unknown';
+  }
+}
+
+/** The virtual host a URL names, as amqplib reads it ("/" when the URL has no path). */
+export function vhostOf(url: string): string {
+  try {
+    const path = new URL(url).pathname;
+    return path ? decodeURIComponent(path.slice(1)) || '/' : '/';
+  } catch {
+    return '/';
   }
 }

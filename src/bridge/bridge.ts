@@ -4,9 +4,10 @@ import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
+import { loopMessage } from '../config/settings.js';
 import { DedupCache, newOwnerToken } from '../dedup/cache.js';
 import { connectRedis, type RedisClient } from '../dedup/redis.js';
-import { BridgeError, RuntimeFailure } from '../errors.js';
+import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
@@ -114,6 +115,16 @@ export async function startBridge(
     // (no more than --max-messages lets this run take).
     cache.expectedIds = Math.min((await source.depth()) ?? 0, budget.remaining);
     await targetLink.start();
+    // The same cluster is the same broker, whichever of its nodes or URLs each side named.
+    if (
+      settings.targetExchange === '' &&
+      settings.targetRoutingKey === settings.sourceQueue &&
+      sourceLink.identity === targetLink.identity
+    ) {
+      throw new ConfigError(
+        loopMessage(settings.sourceQueue, targetLink.where.replace(/^target broker at /, '')),
+      );
+    }
   } catch (error) {
     await closeAll();
     throw error;
@@ -142,6 +153,7 @@ export async function startBridge(
       onUnroutable: settings.onUnroutable,
       parkQueue: settings.parkQueue,
       requeueDelay: settings.requeueDelay,
+      routeMark: `${sourceLink.identity}/${settings.sourceQueue}`,
       budget,
       throttle: limits.throttle,
       afterConfirm: limits.afterConfirm,

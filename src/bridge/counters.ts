@@ -22,6 +22,8 @@ export interface RouteCounters {
   returned: number;
   /** Had no ID under any `--id-from` strategy. */
   noId: number;
+  /** Came back to the route that forwarded them (the target routes into the source queue). */
+  looped: number;
   /** Cannot be forwarded as they are: a header table too deeply nested, a header over frame_max. */
   unforwardable: number;
   /** Had an ID header of a type that cannot be an ID (the next strategy decided). */
@@ -48,6 +50,7 @@ export function newCounters(): RouteCounters {
     returned: 0,
     noId: 0,
     unforwardable: 0,
+    looped: 0,
     badIdHeader: 0,
     redelivered: 0,
     resentInDoubt: 0,

@@ -9,7 +9,7 @@ import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import type { ClaimState, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
-import { IN_DOUBT_HEADER, SOURCE_USER_HEADER } from '../headers.js';
+import { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
@@ -41,6 +41,8 @@ export interface RouteSettings {
   parkQueue: string | undefined;
   /** Backoff before a failed message is returned to the source queue. */
   requeueDelay: { initialMs: number; maxMs: number };
+  /** Names this route (source cluster, vhost and queue) in the `x-dedup-route` mark of what it forwards. */
+  routeMark: string;
   /** Messages the route may still take (migrate --max-messages, shared by a job's routes). */
   budget: MessageBudget;
   /** Waits before publishing this many messages (migrate --max-rate). */
@@ -69,8 +71,11 @@ interface Entry {
   refusal?: string;
 }
 
-/** Why a message is refused; 'unreadable' and 'unpublishable' come with the detail. */
-type Failure = 'unroutable' | 'nacked' | 'no-id' | 'unreadable' | 'unpublishable';
+/** Why a message is refused; 'unreadable', 'unpublishable' and 'loop' come with the detail. */
+type Failure = 'unroutable' | 'nacked' | 'no-id' | 'unreadable' | 'unpublishable' | 'loop';
+
+/** How many routes a message's `x-dedup-route` mark remembers (the last ones it went through). */
+const MAX_ROUTE_MARKS = 16;
 
 /** Thrown inside work that a stop abandoned when its time ran out. */
 class Abandoned extends Error {}
@@ -115,6 +120,7 @@ export class Pipeline {
   private readonly active = new Set<Promise<void>>();
   private readonly retryCounts = new Map<string, number>();
   private readonly suspectIds = new Set<string>();
+  private ownRouteField: Buffer | undefined;
   private renewTimer: NodeJS.Timeout | undefined;
   private renewing = false;
   /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
@@ -249,6 +255,24 @@ export class Pipeline {
     if (header.tableError !== undefined) {
       // Its headers cannot be read (nested too deep, say): refused, never a dropped connection.
       this.track(this.handleFailure(blank, 'unreadable', header.tableError));
+      return;
+    }
+    const marks = routeMarksOf(header);
+    if (marks.includes(this.settings.routeMark)) {
+      // This route forwarded it before and the target routed it back into the source queue: as a
+      // duplicate it would be acked and deleted. It is refused instead, loudly.
+      this.counters.looped++;
+      this.log.error(
+        { route: this.settings.routeMark },
+        'a message this route forwarded came back to its source queue: the target routes into the source (a loop); it is not acked',
+      );
+      this.track(
+        this.handleFailure(
+          blank,
+          'loop',
+          'forwarded by this route before: the target routes back into the source queue',
+        ),
+      );
       return;
     }
     const routing = routingBytesOf(message.fields);
@@ -475,6 +499,17 @@ export class Pipeline {
     return entry.suspect > 0 ? this.alone(() => this.publish(entry, true)) : this.publish(entry, false);
   }
 
+  /** The `x-dedup-route` field for a forwarded copy: the marks it came with, and this route's. */
+  private routeField(header: ContentHeader): Buffer {
+    const came = routeMarksOf(header);
+    if (came.length === 0) {
+      const own = this.ownRouteField ?? markField([this.settings.routeMark]);
+      this.ownRouteField = own;
+      return own;
+    }
+    return markField([...came, this.settings.routeMark].slice(-MAX_ROUTE_MARKS));
+  }
+
   private rememberSuspect(key: string): void {
     this.suspectIds.delete(key);
     this.suspectIds.add(key);
@@ -516,6 +551,9 @@ export class Pipeline {
       append.push(rawField(SOURCE_USER_HEADER, encodeValue({ type: 'S', value: userId })));
     }
     if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
+    // The routes it went through, this one last, so that a loop back here is seen.
+    remove.push(ROUTE_HEADER);
+    append.push(this.routeField(header));
     const bytes = header.splice({ remove, append, dropUserId: foreignUser });
     // The message's own routing key as the broker sent it (amqplib's text form may have lost bytes).
     const routingKey =
@@ -687,4 +725,18 @@ export class Pipeline {
       }
     }
   }
+}
+
+/** The routes a message went through, from its `x-dedup-route` mark (an array of long strings). */
+function routeMarksOf(header: ContentHeader): string[] {
+  const span = header.field(ROUTE_HEADER);
+  if (!span) return [];
+  const value = header.valueOf(span);
+  if (value.type !== 'A') return [];
+  return value.value.flatMap((item) => (item.type === 'S' ? [item.value.toString('utf8')] : []));
+}
+
+function markField(marks: string[]): Buffer {
+  const value = marks.map((mark) => ({ type: 'S' as const, value: Buffer.from(mark, 'utf8') }));
+  return rawField(ROUTE_HEADER, encodeValue({ type: 'A', value }));
 }

@@ -298,6 +298,13 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
 
   const targetExchange = options.targetExchange ?? '';
   const targetRoutingKey = options.targetQueue ?? options.targetRoutingKey;
+  if (
+    targetExchange === '' &&
+    targetRoutingKey === options.sourceQueue &&
+    options.source.some((source) => options.target.some((target) => sameBroker(source, target)))
+  ) {
+    throw new ConfigError(loopMessage(options.sourceQueue, redactUrl(options.target[0] as string)));
+  }
   const scope =
     options.scope ??
     (options.targetQueue !== undefined ? `queue:${options.targetQueue}` : `exchange:${targetExchange}`);
@@ -366,4 +373,28 @@ export function checkScope(value: string): string {
   if (!SCOPE_PATTERN.test(value))
     throw new ConfigError('--scope: must be non-empty, without braces or spaces');
   return value;
+}
+
+/**
+ * Why a route whose target is its own source queue is refused: each message would be forwarded
+ * onto the queue it came from, then consumed again as a duplicate and acked, so every message
+ * would be deleted while the bridge reported it forwarded.
+ */
+export function loopMessage(queue: string, where: string): string {
+  return `--target-queue: the target is the source queue itself (queue "${queue}" on the broker at ${where}); each message would come back and be deleted as a duplicate. Name another target queue or broker`;
+}
+
+/** Whether two AMQP URLs name the same broker and virtual host (by host, port and path). */
+function sameBroker(a: string, b: string): boolean {
+  const parse = (text: string) => {
+    try {
+      const url = new URL(text);
+      const port = url.port || (url.protocol === 'amqps:' ? '5671' : '5672');
+      const vhost = url.pathname ? decodeURIComponent(url.pathname.slice(1)) || '/' : '/';
+      return `${url.hostname.toLowerCase()}:${port}/${vhost}`;
+    } catch {
+      return text;
+    }
+  };
+  return parse(a) === parse(b);
 }

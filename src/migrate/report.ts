@@ -24,6 +24,8 @@ export interface QueueReport {
   noId: number;
   /** Messages that cannot be forwarded as they are (an unreadable header table, say). */
   unforwardable: number;
+  /** Messages that came back to this route: the target routes into the source queue (a loop). */
+  looped: number;
   /** Deliveries taken from the source queue. */
   consumed: number;
   /** True when every consumed delivery is accounted for by one of the outcomes above. */
@@ -48,6 +50,7 @@ const COUNTS = [
   'returned',
   'noId',
   'unforwardable',
+  'looped',
   'consumed',
 ] as const;
 
@@ -89,6 +92,7 @@ export function buildQueueReport(input: {
     returned: counters.returned,
     noId: counters.noId,
     unforwardable: counters.unforwardable,
+    looped: counters.looped,
     consumed: counters.consumed,
     accounted: settled === counters.consumed,
     remaining: input.remaining ?? null,

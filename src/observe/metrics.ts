@@ -31,6 +31,11 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
   ['redelivered', 'redelivered_total', 'Deliveries the source broker marked as redelivered'],
   ['noId', 'no_id_total', 'Messages without an ID under any --id-from strategy'],
   [
+    'looped',
+    'looped_total',
+    'Messages that came back to the route that forwarded them (the target routes into the source)',
+  ],
+  [
     'unforwardable',
     'unforwardable_total',
     'Messages the bridge cannot forward as they are (an unreadable header table, a header over frame_max)',

@@ -1,7 +1,8 @@
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
-import { publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
+import { clusterNameOf, publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
+import { vhostOf } from '../../src/amqp/link.js';
 import { contentHeaderOf } from '../../src/amqp/properties.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { withDedupId } from '../../src/client/producer.js';
@@ -21,6 +22,7 @@ import {
 } from '../helpers.js';
 import {
   array,
+  type BasicProperties,
   basicProperties,
   bool,
   bytes,
@@ -45,10 +47,36 @@ import {
 
 // Messages as a Java, .NET or Python producer sends them, built byte by byte (amqplib cannot even
 // encode most of these types). What the target stores must be, byte for byte, what a direct
-// publish to the target stores, plus only the documented `_HQ_DUPL_ID` where the ID came from
-// elsewhere.
+// publish to the target stores, plus only the documented additions: `_HQ_DUPL_ID` where the ID came
+// from elsewhere, and the route's `x-dedup-route` mark.
 
 const log = createLogger('silent');
+
+type Built = Buffer & { spec: BasicProperties };
+
+/** A content header built byte by byte, remembering what it was built from. */
+function props(spec: BasicProperties = {}): Built {
+  return Object.assign(basicProperties(spec), { spec });
+}
+
+/** The same header with `field` appended at the end of its table (made when there is none). */
+function withField(built: Buffer, field: Buffer): Buffer {
+  const { spec } = built as Built;
+  return basicProperties({ ...spec, headers: Buffer.concat([spec.headers ?? Buffer.alloc(0), field]) });
+}
+
+/** The `x-dedup-route` mark a route from this source queue adds: `<cluster>/<vhost>/<queue>`. */
+async function routeMarkOf(sourceUrl: string, queue: string): Promise<Buffer> {
+  const connection = await connectAmqp(sourceUrl, { side: 'source', retryForMs: 5000, log });
+  try {
+    return field(
+      'x-dedup-route',
+      array(longString(`${clusterNameOf(connection)}/${vhostOf(sourceUrl)}/${queue}`)),
+    );
+  } finally {
+    await connection.close();
+  }
+}
 
 interface Sent {
   /** Names the message in the delivery count. */
@@ -132,49 +160,33 @@ function corpus(user: string, tag: string): Sent[] {
     sent.push({ label, properties, body, expected: properties });
 
   const full = table(...everyType(longString(`${tag}-all-types`)));
-  same(
-    'all types',
-    basicProperties(allProperties(full, user, `${tag}-m1`)),
-    Buffer.from([0xde, 0xad, 0, 0xbe, 0xef]),
-  );
+  same('all types', props(allProperties(full, user, `${tag}-m1`)), Buffer.from([0xde, 0xad, 0, 0xbe, 0xef]));
   // 64-bit IDs that amqplib rounded to one number: two messages.
-  same(
-    'l 2^62+1',
-    basicProperties({ headers: table(field('_HQ_DUPL_ID', int64(2n ** 62n + 1n))) }),
-    Buffer.alloc(0),
-  );
-  same(
-    'l 2^62+2',
-    basicProperties({ headers: table(field('_HQ_DUPL_ID', int64(2n ** 62n + 2n))) }),
-    Buffer.from('b'),
-  );
+  same('l 2^62+1', props({ headers: table(field('_HQ_DUPL_ID', int64(2n ** 62n + 1n))) }), Buffer.alloc(0));
+  same('l 2^62+2', props({ headers: table(field('_HQ_DUPL_ID', int64(2n ** 62n + 2n))) }), Buffer.from('b'));
   // Byte IDs that amqplib decoded to the same replacement characters: two messages.
   same(
     'S 80000001',
-    basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(Buffer.from([0x80, 0, 0, 1])))) }),
+    props({ headers: table(field('_HQ_DUPL_ID', longString(Buffer.from([0x80, 0, 0, 1])))) }),
     Buffer.from(`${tag}-s80`),
   );
   same(
     'S 81000001',
-    basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(Buffer.from([0x81, 0, 0, 1])))) }),
+    props({ headers: table(field('_HQ_DUPL_ID', longString(Buffer.from([0x81, 0, 0, 1])))) }),
     Buffer.from(`${tag}-s81`),
   );
   // One ID as S, as x and as S again: forwarded once, the first copy.
   const once = `${tag}-same-bytes`;
-  same(
-    'same as S',
-    basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(once))) }),
-    Buffer.from('first'),
-  );
+  same('same as S', props({ headers: table(field('_HQ_DUPL_ID', longString(once))) }), Buffer.from('first'));
   sent.push({
     label: 'same as x',
-    properties: basicProperties({ headers: table(field('_HQ_DUPL_ID', bytes(once))) }),
+    properties: props({ headers: table(field('_HQ_DUPL_ID', bytes(once))) }),
     body: Buffer.from('second'),
     expected: undefined,
   });
   sent.push({
     label: 'same as S again',
-    properties: basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(once))) }),
+    properties: props({ headers: table(field('_HQ_DUPL_ID', longString(once))) }),
     body: Buffer.from('third'),
     expected: undefined,
   });
@@ -183,9 +195,9 @@ function corpus(user: string, tag: string): Sent[] {
   for (let i = 0; i < big.length; i++) big[i] = (i * 31) & 0xff;
   sent.push({
     label: '1 MiB body, ID from message_id',
-    properties: basicProperties({ messageId: `${tag}-big`, clusterId: 'c1' }),
+    properties: props({ messageId: `${tag}-big`, clusterId: 'c1' }),
     body: big,
-    expected: basicProperties({
+    expected: props({
       headers: table(field('_HQ_DUPL_ID', longString(`${tag}-big`))),
       messageId: `${tag}-big`,
       clusterId: 'c1',
@@ -196,12 +208,12 @@ function corpus(user: string, tag: string): Sent[] {
   const artemis = bytes(Buffer.concat([Buffer.from(tag), Buffer.from([0xff, 0xfe])]));
   sent.push({
     label: 'ID from _AMQ_DUPL_ID bytes',
-    properties: basicProperties({
+    properties: props({
       contentType: 'text/plain',
       headers: table(field('_AMQ_DUPL_ID', artemis), field('n', int32(7))),
     }),
     body: Buffer.from('artemis'),
-    expected: basicProperties({
+    expected: props({
       contentType: 'text/plain',
       headers: table(field('_AMQ_DUPL_ID', artemis), field('n', int32(7)), field('_HQ_DUPL_ID', artemis)),
     }),
@@ -209,7 +221,7 @@ function corpus(user: string, tag: string): Sent[] {
   // A stale in-doubt flag from an earlier hop is not the bridge's to keep: removed, nothing else.
   sent.push({
     label: 'stale in-doubt flag',
-    properties: basicProperties({
+    properties: props({
       headers: table(
         field('a', int16(-2)),
         field('x-dedup-in-doubt', bool(true)),
@@ -217,7 +229,7 @@ function corpus(user: string, tag: string): Sent[] {
       ),
     }),
     body: Buffer.from('stale'),
-    expected: basicProperties({
+    expected: props({
       headers: table(field('a', int16(-2)), field('_HQ_DUPL_ID', longString(`${tag}-stale`))),
     }),
   });
@@ -258,8 +270,16 @@ async function takeRaw(url: string, queue: string): Promise<{ header: Buffer; bo
  * Compares what the target holds after the bridge with what a direct publish of the same bytes to
  * the target stores, and with the hand-built expectation; counts lost, duplicated and unexpected.
  */
-async function expectForwardedExactly(label: string, sent: Sent[], target: string): Promise<void> {
-  const { targetUrl } = servers();
+async function expectForwardedExactly(
+  label: string,
+  sent: Sent[],
+  source: string,
+  target: string,
+): Promise<void> {
+  const { sourceUrl, targetUrl } = servers();
+  // Every forwarded copy ends with the route's mark, after any other field the bridge added.
+  const mark = await routeMarkOf(sourceUrl, source);
+  const expectedOf = (message: Sent) => withField(message.expected as Buffer, mark);
   const reference = uniqueName('reference');
   await declareQueue(targetUrl, reference);
   const forwarded = sent.filter((message) => message.expected !== undefined);
@@ -268,7 +288,7 @@ async function expectForwardedExactly(label: string, sent: Sent[], target: strin
   const bridged = await takeRaw(targetUrl, target);
 
   const key = (header: Buffer, body: Buffer) => `${header.toString('hex')}/${body.toString('hex')}`;
-  const wanted = new Map(forwarded.map((m) => [key(m.expected as Buffer, m.body), m.label]));
+  const wanted = new Map(forwarded.map((m) => [key(expectedOf(m), m.body), m.label]));
   const count = countDelivery(
     label,
     wanted.values(),
@@ -281,9 +301,7 @@ async function expectForwardedExactly(label: string, sent: Sent[], target: strin
   expect(direct.map((m) => key(m.header, m.body))).toEqual(forwarded.map((m) => key(m.properties, m.body)));
   // Bridged in source order, and each one as expected, field by field of the header bytes.
   for (const [index, message] of forwarded.entries()) {
-    expect(bridged[index]?.header.toString('hex'), message.label).toBe(
-      (message.expected as Buffer).toString('hex'),
-    );
+    expect(bridged[index]?.header.toString('hex'), message.label).toBe(expectedOf(message).toString('hex'));
     expect(bridged[index]?.body.equals(message.body), message.label).toBe(true);
   }
 }
@@ -301,7 +319,7 @@ describe('the wire path is lossless', () => {
     const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target]));
     expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: sent.length - 2, duplicates: 2, remaining: 0 });
-    await expectForwardedExactly('lossless migrate', sent, target);
+    await expectForwardedExactly('lossless migrate', sent, source, target);
   });
 
   it('run: the same corpus, forwarded by the long-lived bridge, arrives byte for byte', async () => {
@@ -324,7 +342,7 @@ describe('the wire path is lossless', () => {
     }
     const result = await bridge.done;
     expect(result.code, result.stderr).toBe(0);
-    await expectForwardedExactly('lossless run', sent, target);
+    await expectForwardedExactly('lossless run', sent, source, target);
   });
 
   it('a header table nested 12,000 deep is parked with its reason; the messages around it go on', async () => {
@@ -337,10 +355,10 @@ describe('the wire path is lossless', () => {
     await declareQueue(targetUrl, target);
     const tag = uniqueName('d');
     const ordinary = (n: number): Sent => {
-      const properties = basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(`${tag}-${n}`))) });
+      const properties = props({ headers: table(field('_HQ_DUPL_ID', longString(`${tag}-${n}`))) });
       return { label: `ordinary ${n}`, properties, body: Buffer.from(`body ${n}`), expected: properties };
     };
-    const deep = basicProperties({
+    const deep = props({
       headers: table(field('_HQ_DUPL_ID', longString(`${tag}-deep`)), field('deep', deepValue(12_000))),
     });
     const sent: Sent[] = [
@@ -364,13 +382,13 @@ describe('the wire path is lossless', () => {
     // The deep table did not drop the source connection: the bridge never reconnected.
     expect(result.stdout).not.toMatch(/: lost; reconnecting/);
     expect(result.stdout).toMatch(/message refused: header table: field table nested deeper than 64 levels/);
-    await expectForwardedExactly('around a deep table', sent, target);
+    await expectForwardedExactly('around a deep table', sent, source, target);
     // The parked copy is the message as it came, with the reason (and the park's sequence number)
     // appended to its table.
     const parked = await takeRaw(sourceUrl, park);
     expect(parked).toHaveLength(1);
     const reason = 'unreadable: header table: field table nested deeper than 64 levels';
-    const expectedPark = basicProperties({
+    const expectedPark = props({
       headers: table(
         field('_HQ_DUPL_ID', longString(`${tag}-deep`)),
         field('deep', deepValue(12_000)),
@@ -392,11 +410,11 @@ describe('the wire path is lossless', () => {
     await declareQueue(targetUrl, target);
     const tag = uniqueName('h');
     const ordinary = (n: number): Sent => {
-      const properties = basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(`${tag}-${n}`))) });
+      const properties = props({ headers: table(field('_HQ_DUPL_ID', longString(`${tag}-${n}`))) });
       return { label: `ordinary ${n}`, properties, body: Buffer.from(`body ${n}`), expected: properties };
     };
     // A 20 kB header: the source takes it, the target connection (frame_max 8 kB) cannot carry it.
-    const large = basicProperties({
+    const large = props({
       headers: table(
         field('_HQ_DUPL_ID', longString(`${tag}-large`)),
         field('blob', longString('z'.repeat(20_000))),
@@ -426,7 +444,7 @@ describe('the wire path is lossless', () => {
     const refusals = result.stdout.split('\n').filter((line) => line.includes('message refused'));
     expect(refusals).toHaveLength(1);
     expect(refusals[0]).toMatch(/does not fit the target's frame_max \(8192 bytes\)/);
-    await expectForwardedExactly('around a large header', sent, target);
+    await expectForwardedExactly('around a large header', sent, source, target);
     const parked = await takeRaw(sourceUrl, park);
     expect(parked.map((m) => m.body.toString())).toEqual(['large']);
   });
@@ -459,7 +477,7 @@ describe('the wire path is lossless', () => {
       ['t', bool(true)],
     ];
     const sent: Sent[] = ids.map(([label, id]) => {
-      const properties = basicProperties({ headers: table(field('_HQ_DUPL_ID', id)) });
+      const properties = props({ headers: table(field('_HQ_DUPL_ID', id)) });
       return { label, properties, body: Buffer.from(label), expected: properties };
     });
     // IDs from the message_id, whose keys are not the text itself (a reserved prefix, bytes that
@@ -472,9 +490,9 @@ describe('the wire path is lossless', () => {
     ] as const) {
       sent.push({
         label,
-        properties: basicProperties({ messageId }),
+        properties: props({ messageId }),
         body: Buffer.from(label),
-        expected: basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(messageId))), messageId }),
+        expected: props({ headers: table(field('_HQ_DUPL_ID', longString(messageId))), messageId }),
       });
     }
     await publishCorpus(sourceUrl, source, sent);
@@ -493,7 +511,7 @@ describe('the wire path is lossless', () => {
     const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--scope', scope));
     expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: sent.length, duplicates: 2 });
-    await expectForwardedExactly('one per ID type', sent, target);
+    await expectForwardedExactly('one per ID type', sent, source, target);
 
     // Each copy again on the target, read by the idempotent consumer in the bridge's own scope: it
     // finds every ID already committed under the key it computes, so the keys agree.
@@ -546,8 +564,7 @@ describe('the wire path is lossless', () => {
     const keys = [Buffer.from([0x61, 0x2e, 0x80]), Buffer.from([0x61, 0x2e, 0x81])];
     const connection = await connectAmqp(sourceUrl, { side: 'source', retryForMs: 5000, log });
     const channel = await connection.createConfirmChannel();
-    for (const key of keys)
-      publishRaw(channel, 'amq.topic', key, basicProperties(), Buffer.from('same'), () => {});
+    for (const key of keys) publishRaw(channel, 'amq.topic', key, props(), Buffer.from('same'), () => {});
     await channel.waitForConfirms();
     await connection.close();
 
@@ -584,7 +601,7 @@ describe('the wire path is lossless', () => {
       const admin = await openBroker(sourceUrl);
       await admin.channel.deleteQueue(park);
       await admin.close();
-      const deep = basicProperties({
+      const deep = props({
         headers: table(field('_HQ_DUPL_ID', longString(uniqueName('deep'))), field('deep', deepValue(70))),
       });
       await publishCorpus(sourceUrl, source, [
