@@ -3,9 +3,11 @@ import type { ChainableCommander, Cluster, Redis } from 'ioredis';
 import { backoffDelay } from '../amqp/backoff.js';
 import { installLosslessReaderFor } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
+import { REDIS_PREFIX_PATTERN, SCOPE_PATTERN } from '../config/settings.js';
 import { type ClaimState, DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, keyOfField } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
+import { ConfigError } from '../errors.js';
 import { IN_DOUBT_HEADER } from '../headers.js';
 
 export interface HandlerContext {
@@ -95,6 +97,18 @@ export async function createIdempotentConsumer(
   options: IdempotentConsumerOptions,
 ): Promise<IdempotentConsumer> {
   const { channel, queue, redis, scope, handler } = options;
+  // As the CLI checks them: a brace would end the scope's hash tag early, so "billing}x" would
+  // write into billing's keys and make billing skip messages it never handled.
+  if (!SCOPE_PATTERN.test(scope)) {
+    throw new ConfigError(
+      `createIdempotentConsumer: scope "${scope}" must be non-empty, without braces or spaces`,
+    );
+  }
+  if (options.prefix !== undefined && !REDIS_PREFIX_PATTERN.test(options.prefix)) {
+    throw new ConfigError(
+      `createIdempotentConsumer: prefix "${options.prefix}" must be non-empty, without braces, colons or spaces`,
+    );
+  }
   // IDs are keyed by their bytes on the wire, as the bridge keys them (amqplib's decoded headers
   // lose 64-bit precision and bytes that are not UTF-8): read this connection's headers raw.
   installLosslessReaderFor(channel);

@@ -450,6 +450,39 @@ describe('the library: producers, units and the idempotent consumer', () => {
     expect(await redis.get(effect)).toBe('1');
     expect(await depthOf(targetUrl, queue)).toBe(0);
   });
+
+  it('refuses a scope or prefix that would reach into the keys of another scope, before consuming anything', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('forged');
+    await declareQueue(targetUrl, queue);
+    await publishAll(targetUrl, queue, [{ body: 'x', options: { headers: { _HQ_DUPL_ID: 'f-1' } } }]);
+    const broker = await openBroker(targetUrl);
+    try {
+      for (const [scope, prefix, wrong] of [
+        ['billing}x', undefined, /scope "billing}x" must be non-empty, without braces or spaces/],
+        ['billing x', undefined, /scope "billing x"/],
+        [
+          'billing',
+          'dedup:{billing}',
+          /prefix "dedup:\{billing\}" must be non-empty, without braces, colons or spaces/,
+        ],
+      ] as const) {
+        await expect(
+          createIdempotentConsumer({
+            channel: broker.channel,
+            queue,
+            redis,
+            scope,
+            prefix,
+            handler: () => {},
+          }),
+        ).rejects.toThrow(wrong);
+      }
+    } finally {
+      await broker.close();
+    }
+    expect(await depthOf(targetUrl, queue)).toBe(1);
+  });
 });
 
 /** Every message in the queue, in order, left in it: read unacked, then returned by closing the channel. */
