@@ -178,7 +178,7 @@ describe('metrics and health (--metrics-port)', () => {
         '--target',
         'amqp://guest:guest@127.0.0.1:1',
         '--target-queue',
-        'q',
+        'q2',
         '--redis',
         servers().redisUrl,
         '--metrics-host',
