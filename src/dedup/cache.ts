@@ -1,6 +1,6 @@
 import { hash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import type { ChainableCommander } from 'ioredis';
+import { type ChainableCommander, Cluster, type Redis } from 'ioredis';
 import { formatDuration } from '../config/duration.js';
 import { ConfigError } from '../errors.js';
 import type { RedisClient } from './redis.js';
@@ -163,6 +163,29 @@ function withMeta(base: string, keys: readonly string[]): [number, ...string[]] 
   return [keys.length + 2, `${base}:m`, `${base}:layout`, ...keys];
 }
 
+/**
+ * How long one WAIT may block the commit connection while the replicas are behind. It is then sent
+ * again, with the commit, for as long as it takes: the caller acks nothing meanwhile.
+ */
+export const WAIT_TIMEOUT_MS = 1000;
+/** How long a shard's write mark (see commitDurably) outlives the last commit that set it. */
+const MARK_TTL_MS = 60_000;
+
+/** The commit script as commitDurably sends it itself: by its SHA1, or whole when Redis lacks it. */
+const COMMIT_LUA = loadScript('commit');
+const COMMIT_SHA = hash('sha1', COMMIT_LUA, 'hex');
+
+/** Commits waiting on replicas (behind: true), and their end; see DedupCacheOptions.onReplicas. */
+export interface ReplicaEvent {
+  behind: boolean;
+  /** --redis-wait-replicas */
+  wanted: number;
+  /** behind: how many replicas the WAIT that came short counted. */
+  acked?: number;
+  /** caught up: how long commits waited for the replicas. */
+  heldMs?: number;
+}
+
 // The scripts' reply when a shard's stored layout spreads the scope over another number of shards
 // than the caller's: its keys would be on the wrong shards.
 const LAYOUT_ERROR = /^DEDUPLAYOUT /;
@@ -186,6 +209,19 @@ export interface DedupCacheOptions {
    * depends on where in a slice the wall clock happens to be.
    */
   clock?: () => number;
+  /**
+   * Replicas that must hold a commit before `commit` returns (Redis WAIT); 0, the default: it
+   * returns when the master answers. While fewer replicas acknowledge it, `commit` keeps waiting
+   * (and so its caller keeps the messages unacked): see commitDurably.
+   */
+  waitReplicas?: number;
+  /**
+   * The connection `commit` uses when it waits for replicas, default `redis`: a client of its own
+   * keeps a WAIT that blocks while the replicas are behind from holding up claims and renewals.
+   */
+  commitRedis?: RedisClient;
+  /** Told once when commits start waiting on replicas that are behind, and once when they stop. */
+  onReplicas?: (event: ReplicaEvent) => void;
 }
 
 export interface IdRecord {
@@ -216,6 +252,13 @@ export class DedupCache {
   private current: CacheLayout;
   /** The same as the scripts take it: the default for a shard that stores none. */
   private currentText: string;
+  private readonly waitReplicas: number;
+  private readonly commitRedis: RedisClient;
+  /** Counts the commit connection's reconnects (one server or Sentinel; see commitDurably). */
+  private commitEpoch = 0;
+  /** Shard commits now waiting on replicas that are behind, and since when some have been. */
+  private waitingOnReplicas = 0;
+  private behindSince: number | undefined;
 
   private constructor(
     readonly redis: RedisClient,
@@ -233,6 +276,15 @@ export class DedupCache {
       calls[name] = call.bind(redis);
     }
     this.scripts = calls;
+    this.waitReplicas = options.waitReplicas ?? 0;
+    this.commitRedis = options.commitRedis ?? redis;
+    // A Cluster's node connections never reconnect (ioredis drops a lost node's connection and
+    // opens another for the slot's new master): only a single connection has reconnects to count.
+    if (this.waitReplicas > 0 && !(this.commitRedis instanceof Cluster)) {
+      this.commitRedis.on('close', () => {
+        this.commitEpoch++;
+      });
+    }
   }
 
   /** Reads the scope's layout, or records one for a new scope, and returns the cache. */
@@ -340,11 +392,104 @@ export class DedupCache {
     return codes.map((code) => CLAIM_STATES[code as number] as ClaimState);
   }
 
+  /**
+   * Commits the IDs. With `waitReplicas`, returns only once that many replicas hold the commit (see
+   * commitDurably); the replies are those of each shard's first commit.
+   */
   async commit(keys: readonly string[]): Promise<CommitResult[]> {
     const codes = await this.perShard(keys, (base, group) =>
-      this.scripts.commit(...this.commitArgs(base, group)),
+      this.waitReplicas > 0
+        ? this.commitDurably(base, group)
+        : this.scripts.commit(...this.commitArgs(base, group)),
     );
     return codes.map((code) => COMMIT_RESULTS[code as number] as CommitResult);
+  }
+
+  /** Since when commits have been waiting on replicas that are behind; undefined when none are. */
+  get replicasBehindSince(): number | undefined {
+    return this.behindSince;
+  }
+
+  /**
+   * One shard's commit, returned only once `waitReplicas` replicas hold it. Each attempt is one
+   * pipeline on one connection, so on a Cluster it reaches the master that holds the shard's slot:
+   * the commit script, a write of the shard's mark key, and WAIT. WAIT waits for this connection's
+   * last write to reach the replicas; the mark makes that write come after the IDs' records even
+   * when the script wrote nothing (every ID already committed, by another process or by an
+   * earlier attempt of ours), so whatever WAIT counts holds those records. An attempt whose WAIT
+   * comes back short, or whose replies straddle a reconnect (a resent WAIT on another server would
+   * not cover a commit made on the old one), is made again whole: the script commits what a
+   * failover lost ('restored') and finds the rest committed. Errors go to the caller, which retries.
+   */
+  private async commitDurably(base: string, keys: string[]): Promise<unknown> {
+    const wanted = this.waitReplicas;
+    let first: unknown;
+    let whole = false;
+    let behind = false;
+    try {
+      for (;;) {
+        const epoch = this.commitEpoch;
+        const args = this.commitArgs(base, keys);
+        const batch = (this.commitRedis as Redis).pipeline();
+        if (whole) batch.eval(COMMIT_LUA, ...args);
+        else batch.evalsha(COMMIT_SHA, ...args);
+        batch.set(`${base}:w`, this.token, 'PX', MARK_TTL_MS);
+        batch.wait(wanted, WAIT_TIMEOUT_MS);
+        const [committed, marked, waited] = ((await batch.exec()) ?? []) as [Error | null, unknown][];
+        const commitError = committed?.[0];
+        if (commitError) {
+          // Not loaded on this server yet (a new master, a flushed script cache): send it whole.
+          if (!whole && /^NOSCRIPT/.test(commitError.message)) {
+            whole = true;
+            continue;
+          }
+          throw commitError;
+        }
+        first ??= committed?.[1];
+        if (marked?.[0]) throw marked[0];
+        const waitError = waited?.[0];
+        if (waitError) {
+          throw /NOPERM/.test(waitError.message)
+            ? new Error(
+                `${waitError.message}: --redis-wait-replicas needs the Redis user to be allowed WAIT (+wait)`,
+                { cause: waitError },
+              )
+            : waitError;
+        }
+        if (this.commitEpoch !== epoch) continue;
+        const acked = Number(waited?.[1]);
+        if (acked >= wanted) {
+          if (behind) {
+            behind = false;
+            this.waitingOnReplicas--;
+          }
+          this.replicasCaughtUp();
+          return first;
+        }
+        if (!behind) {
+          behind = true;
+          this.replicasBehind(acked);
+        }
+      }
+    } finally {
+      // Thrown while waiting: the caller retries, and this commit counts again when it is short.
+      if (behind) this.waitingOnReplicas--;
+    }
+  }
+
+  /** Said once for as long as some commit waits on the replicas, not once per batch or shard. */
+  private replicasBehind(acked: number): void {
+    this.waitingOnReplicas++;
+    if (this.behindSince !== undefined) return;
+    this.behindSince = Date.now();
+    this.options.onReplicas?.({ behind: true, wanted: this.waitReplicas, acked });
+  }
+
+  private replicasCaughtUp(): void {
+    if (this.waitingOnReplicas > 0 || this.behindSince === undefined) return;
+    const heldMs = Date.now() - this.behindSince;
+    this.behindSince = undefined;
+    this.options.onReplicas?.({ behind: false, wanted: this.waitReplicas, heldMs });
   }
 
   /** Queues the commit of `keys` on a MULTI, so it lands with the caller's own writes or not at all. */
