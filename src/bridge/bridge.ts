@@ -90,6 +90,8 @@ export async function startBridge(
 
   const budget = limits.budget ?? new MessageBudget(undefined);
   let redis: RedisClient | undefined;
+  // --redis-wait-replicas: commits go on a connection of their own (see DedupCacheOptions).
+  let commitRedis: RedisClient | undefined;
   let cache: DedupCache;
   const closeAll = async () => {
     // Close the consuming channel first, held acks sent: its close-ok comes after the broker took
@@ -99,9 +101,19 @@ export async function startBridge(
     target.close();
     await Promise.allSettled([sourceLink.close(), targetLink.close()]);
     redis?.disconnect();
+    commitRedis?.disconnect();
   };
   try {
     redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog, settings.tls.redis);
+    const waitReplicas = settings.redisWaitReplicas;
+    if (waitReplicas > 0) {
+      commitRedis = await connectRedis(
+        settings.redisUrl,
+        settings.retryForMs,
+        routeLog.child({ connection: 'commits' }),
+        settings.tls.redis,
+      );
+    }
     cache = await DedupCache.open(redis, {
       token: newOwnerToken(),
       leaseMs: settings.leaseMs,
@@ -109,6 +121,18 @@ export async function startBridge(
       prefix: settings.redisPrefix,
       scope: settings.scope,
       shards: settings.cacheShards,
+      waitReplicas,
+      commitRedis,
+      onReplicas: (event) => {
+        if (event.behind) {
+          routeLog.warn({ wanted: waitReplicas, acked: event.acked }, 'Redis replicas behind; holding acks');
+        } else {
+          routeLog.info(
+            { wanted: waitReplicas, heldMs: event.heldMs },
+            'Redis replicas caught up; acking again',
+          );
+        }
+      },
     });
     await sourceLink.start();
     // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
@@ -209,6 +233,11 @@ export async function startBridge(
         [sourceLink.where, sourceLink.downSince],
         [targetLink.where, targetLink.downSince],
         [`Redis at ${redactUrl(settings.redisUrl)}`, redisDownSince],
+        // Commits wait for replicas that are not there: an outage of what --redis-wait-replicas asks.
+        [
+          `${settings.redisWaitReplicas} Redis replica(s) for --redis-wait-replicas`,
+          cache.replicasBehindSince,
+        ],
       ];
       let worst: { what: string; ms: number } | undefined;
       for (const [what, since] of down) {

@@ -116,6 +116,12 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
       new Option('--redis <url>', `dedup cache (default ${DEFAULTS.redis})`).env('DEDUP_BRIDGE_REDIS'),
     )
     .option('--redis-prefix <prefix>', `prefix of the cache keys (default ${DEFAULTS.redisPrefix})`)
+    .addOption(
+      new Option(
+        '--redis-wait-replicas <n>',
+        'ack a message only once n Redis replicas hold its commit (WAIT); while fewer do, acks are held (default 0: ack when the master answers)',
+      ).env('DEDUP_BRIDGE_REDIS_WAIT_REPLICAS'),
+    )
     .option('--scope <name>', 'dedup scope (default queue:<target-queue> or exchange:<target-exchange>)')
     .option('--id-from <list>', `where IDs come from, first match wins (default ${DEFAULTS.idFrom})`)
     .option(

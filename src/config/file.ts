@@ -13,6 +13,7 @@ import {
   count,
   DEFAULTS,
   exchangeName,
+  MAX_WAIT_REPLICAS,
   name,
   type RawOptions,
   REDIS_PREFIX_PATTERN,
@@ -147,6 +148,7 @@ const fileSchema = z
           .string()
           .regex(REDIS_PREFIX_PATTERN, 'must be non-empty, without braces, colons or spaces')
           .optional(),
+        waitReplicas: whole(0, MAX_WAIT_REPLICAS).optional(),
         tls: tlsFiles.optional(),
       })
       .strict()
@@ -368,6 +370,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
     targetRoutingKey: item.target.routingKey,
     redis: file.redis?.url,
     redisPrefix: file.redis?.prefix,
+    redisWaitReplicas: file.redis?.waitReplicas?.toString(),
     scope: item.scope,
     idFrom: settings.idFrom,
     dedupWindow: settings.dedupWindow,
@@ -459,6 +462,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
     redis: withoutUndefined({
       url: redactUrl(first.redisUrl),
       prefix: first.redisPrefix,
+      waitReplicas: first.redisWaitReplicas,
       tls: file.redis?.tls,
     }),
     logLevel: first.logLevel,

@@ -12,6 +12,7 @@ import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.
 export const DEFAULTS = {
   redis: 'redis://127.0.0.1:6379',
   redisPrefix: 'dedup',
+  redisWaitReplicas: 0,
   idFrom: DEFAULT_ID_FROM,
   dedupWindow: '7d',
   prefetch: 500,
@@ -38,6 +39,7 @@ export interface RawOptions extends TlsRawOptions {
   targetRoutingKey?: string;
   redis?: string;
   redisPrefix?: string;
+  redisWaitReplicas?: string;
   scope?: string;
   idFrom?: string;
   dedupWindow?: string;
@@ -78,6 +80,11 @@ export interface BridgeSettings {
   targetUser: string;
   redisUrl: string;
   redisPrefix: string;
+  /**
+   * Replicas that must hold each commit before its messages are acked (Redis WAIT); 0: ack as soon
+   * as the master answers. See DedupCache and README, Redis topologies.
+   */
+  redisWaitReplicas: number;
   scope: string;
   idFrom: IdStrategy[];
   dedupWindowMs: number;
@@ -109,6 +116,7 @@ const FLAG: Record<string, string> = {
   targetRoutingKey: '--target-routing-key',
   redis: '--redis (or DEDUP_BRIDGE_REDIS)',
   redisPrefix: '--redis-prefix',
+  redisWaitReplicas: '--redis-wait-replicas (or DEDUP_BRIDGE_REDIS_WAIT_REPLICAS)',
   scope: '--scope',
   prefetch: '--prefetch',
   batchSize: '--batch-size',
@@ -183,6 +191,8 @@ export const unroutablePolicy = z.enum(['requeue', 'dead-letter', 'park'], {
   error: 'must be requeue, dead-letter or park',
 });
 export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
+/** The most replicas --redis-wait-replicas may ask for (a Redis master with more is unusual). */
+export const MAX_WAIT_REPLICAS = 64;
 export const count = (min: number, max: number) =>
   z
     .string()
@@ -202,6 +212,7 @@ const rawSchema = z
     redisPrefix: z
       .string()
       .regex(REDIS_PREFIX_PATTERN, 'must be non-empty, without braces, colons or spaces'),
+    redisWaitReplicas: count(0, MAX_WAIT_REPLICAS),
     scope: z.string().regex(SCOPE_PATTERN, 'must be non-empty, without braces or spaces').optional(),
     prefetch: count(1, 65535),
     batchSize: count(1, 5000),
@@ -285,6 +296,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     targetRoutingKey: raw.targetRoutingKey,
     redis: raw.redis ?? DEFAULTS.redis,
     redisPrefix: raw.redisPrefix ?? DEFAULTS.redisPrefix,
+    redisWaitReplicas: raw.redisWaitReplicas ?? String(DEFAULTS.redisWaitReplicas),
     scope: raw.scope,
     prefetch: raw.prefetch ?? String(DEFAULTS.prefetch),
     batchSize: raw.batchSize ?? String(DEFAULTS.batchSize),
@@ -337,6 +349,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     targetUser,
     redisUrl: options.redis,
     redisPrefix: options.redisPrefix,
+    redisWaitReplicas: options.redisWaitReplicas,
     scope,
     idFrom: parseIdFrom(raw.idFrom ?? DEFAULTS.idFrom),
     dedupWindowMs,

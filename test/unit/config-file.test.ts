@@ -118,6 +118,20 @@ describe('config file', () => {
       'defaults.prefetch: must be at least 1',
     ],
     [
+      'a redis.waitReplicas that is not a whole number',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.redis, { waitReplicas: 'all' });
+      },
+      'redis.waitReplicas: must be a whole number',
+    ],
+    [
+      'a redis.waitReplicas under a route',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[0] as object, { waitReplicas: 1 });
+      },
+      'routes[0].waitReplicas: is not a known key',
+    ],
+    [
       'a dangling broker name',
       (file: ReturnType<typeof twoRoutes>) => {
         Object.assign(file.routes[1]?.target as object, { broker: 'neu' });
@@ -301,6 +315,29 @@ describe('config file', () => {
         },
       ],
     });
+  });
+});
+
+describe('redis.waitReplicas (--redis-wait-replicas)', () => {
+  it('applies to every route, is overridden by the flag, and config check shows it', () => {
+    const file = twoRoutes();
+    Object.assign(file.redis, { waitReplicas: 1 });
+    const path = configFile(file);
+    const routes = loadConfigRoutes(path, {}, 'run');
+    expect(routes.map((route) => route.redisWaitReplicas)).toEqual([1, 1]);
+    // Process-wide, like --redis: a flag is allowed whatever the number of routes.
+    const flagged = loadConfigRoutes(path, { redisWaitReplicas: '2' }, 'run');
+    expect(flagged.map((route) => route.redisWaitReplicas)).toEqual([2, 2]);
+    expect(describeConfig(loadConfigFile(path), routes)).toMatchObject({
+      redis: { url: 'redis://:***@cache:6379', prefix: 'bridge', waitReplicas: 1 },
+    });
+  });
+
+  it('is 0 when the file leaves it out, and config check says so', () => {
+    const path = configFile(twoRoutes());
+    const routes = loadConfigRoutes(path, {}, 'run');
+    expect(routes.map((route) => route.redisWaitReplicas)).toEqual([0, 0]);
+    expect(describeConfig(loadConfigFile(path), routes)).toMatchObject({ redis: { waitReplicas: 0 } });
   });
 });
 

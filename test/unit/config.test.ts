@@ -1,4 +1,6 @@
+import { Command } from 'commander';
 import { describe, expect, it } from 'vitest';
+import { addBridgeOptions } from '../../src/cli/options.js';
 import { formatDuration, parseDuration } from '../../src/config/duration.js';
 import { resolveMigrateSettings } from '../../src/config/migrate-settings.js';
 import { passwordOf, redactUrl } from '../../src/config/redact.js';
@@ -279,6 +281,62 @@ describe('resolveBridgeSettings: defaults', () => {
   it('accepts the other unroutable policies without a park queue', () => {
     expect(resolve({ onUnroutable: 'dead-letter' }).onUnroutable).toBe('dead-letter');
     expect(resolve({ onUnroutable: 'requeue' }).onUnroutable).toBe('requeue');
+  });
+});
+
+describe('--redis-wait-replicas', () => {
+  /** What `run` collects from these flags and environment, as the CLI defines its options. */
+  function collected(argv: string[], env: Record<string, string> = {}): RawOptions {
+    const saved = { ...process.env };
+    Object.assign(process.env, env);
+    try {
+      const command = addBridgeOptions(new Command('run').exitOverride(), 'run');
+      command.parse(argv, { from: 'user' });
+      return command.opts() as RawOptions;
+    } finally {
+      for (const name of Object.keys(env)) {
+        if (saved[name] === undefined) delete process.env[name];
+        else process.env[name] = saved[name];
+      }
+    }
+  }
+
+  it('is 0 by default: acks go out when the master answers', () => {
+    expect(resolve({}).redisWaitReplicas).toBe(0);
+    expect(DEFAULTS.redisWaitReplicas).toBe(0);
+  });
+
+  it('comes from the flag, else from DEDUP_BRIDGE_REDIS_WAIT_REPLICAS', () => {
+    const base = ['--source-queue', 'q', '--target-queue', 'q2'];
+    const fromFlag = collected([...base, '--redis-wait-replicas', '2']);
+    expect(resolve({ ...fromFlag }).redisWaitReplicas).toBe(2);
+    const fromEnv = collected(base, { DEDUP_BRIDGE_REDIS_WAIT_REPLICAS: '1' });
+    expect(resolve({ ...fromEnv }).redisWaitReplicas).toBe(1);
+    const both = collected([...base, '--redis-wait-replicas', '3'], {
+      DEDUP_BRIDGE_REDIS_WAIT_REPLICAS: '1',
+    });
+    expect(resolve({ ...both }).redisWaitReplicas).toBe(3);
+  });
+
+  it('reaches every route of a migration', () => {
+    const settings = resolveMigrateSettings({
+      ...MIGRATE,
+      sourceQueue: ['a', 'b'],
+      targetQueue: undefined,
+      redisWaitReplicas: '1',
+    });
+    expect(settings.routes.map((route) => route.redisWaitReplicas)).toEqual([1, 1]);
+  });
+
+  it.each(['-1', 'one', '1.5', '65', ''])('refuses %j, naming the flag and its variable', (value) => {
+    expect(resolveError({ redisWaitReplicas: value })).toMatch(
+      /^--redis-wait-replicas \(or DEDUP_BRIDGE_REDIS_WAIT_REPLICAS\): must be/,
+    );
+  });
+
+  it('takes 0 (off) up to 64', () => {
+    expect(resolve({ redisWaitReplicas: '0' }).redisWaitReplicas).toBe(0);
+    expect(resolve({ redisWaitReplicas: '64' }).redisWaitReplicas).toBe(64);
   });
 });
 
