@@ -1,7 +1,17 @@
 import { type Command, Option } from 'commander';
 import { checkRedisUrl, checkScope, DEFAULTS } from '../config/settings.js';
 import { checkTlsFiles, type TlsRawOptions, tlsFilesOf } from '../config/tls.js';
-import { forgetIds, inspectIds, scopeStats } from '../dedup/inspect.js';
+import {
+  forgetIds,
+  hexId,
+  humanDuration,
+  inspectIds,
+  intId,
+  resetScope,
+  scopeStats,
+  type ToolId,
+  textId,
+} from '../dedup/inspect.js';
 import { connectRedis } from '../dedup/redis.js';
 import { ConfigError, ExitCode } from '../errors.js';
 import { createLogger } from '../observe/log.js';
@@ -12,6 +22,9 @@ interface CacheOptions extends Pick<TlsRawOptions, 'redisCa' | 'redisCert' | 're
   redisPrefix?: string;
   scope?: string;
   yes?: boolean;
+  force?: boolean;
+  hex?: string[];
+  int?: string[];
 }
 
 function cacheOptions(command: Command): Command {
@@ -34,40 +47,60 @@ async function open(options: CacheOptions) {
   return { redis, prefix: options.redisPrefix ?? DEFAULTS.redisPrefix, scope };
 }
 
-function human(ms: number | undefined): string {
-  if (ms === undefined || ms < 0) return '-';
-  const units: [number, string][] = [
-    [86_400_000, 'd'],
-    [3_600_000, 'h'],
-    [60_000, 'm'],
-    [1000, 's'],
-  ];
-  // The largest unit and the one below it, zero included: "8d 0h", never "8d 51m".
-  const first = units.findIndex(([size]) => ms >= size);
-  if (first < 0) return `${ms}ms`;
-  const [size, unit] = units[first] as [number, string];
-  const next = units[first + 1];
-  const head = `${Math.floor(ms / size)}${unit}`;
-  return next ? `${head} ${Math.floor((ms % size) / next[0])}${next[1]}` : head;
+function collect(value: string, previous: string[] | undefined): string[] {
+  return [...(previous ?? []), value];
 }
 
-/** `inspect` and `cache stats|forget`: look at and correct the dedup cache by hand. */
+/** The IDs of `inspect` and `cache forget`: text arguments, and typed ones for what text cannot say. */
+function idOptions(command: Command): Command {
+  return command
+    .argument('[id...]', 'IDs as text (as a string header or message_id carries them)')
+    .option(
+      '--hex <bytes>',
+      'an ID given as bytes in hex, e.g. a HornetQ byte[] _HQ_DUPL_ID: --hex 0a1bff (repeatable)',
+      collect,
+    )
+    .option(
+      '--int <n>',
+      'an integer ID of any width, 64-bit included (a numeric header), keyed num:<n> (repeatable)',
+      collect,
+    );
+}
+
+/** Every ID given, keyed as the bridge keys the wire value: text first, then --hex, then --int. */
+function idsOf(texts: string[], options: CacheOptions, command: string): ToolId[] {
+  const ids = [...texts.map(textId), ...(options.hex ?? []).map(hexId), ...(options.int ?? []).map(intId)];
+  if (ids.length === 0) {
+    throw new ConfigError(
+      `${command}: give at least one ID: as text, or --hex <bytes>, or --int <n> (see dedup-bridge ${command} --help)`,
+    );
+  }
+  return ids;
+}
+
+/** `inspect` and `cache stats|forget|reset-scope`: look at and correct the dedup cache by hand. */
 export function addCacheCommands(program: Command, done: (code: number) => void): void {
-  cacheOptions(program.command('inspect').description('show what the cache holds for IDs: state, owner, TTL'))
-    .argument('<id...>', 'the IDs, as text')
-    .action(async (ids: string[], options: CacheOptions) => {
-      const { redis, prefix, scope } = await open(options);
-      try {
-        for (const row of await inspectIds(redis, prefix, scope, ids)) {
-          const owner = row.owner ? ` · owner ${row.owner}` : '';
-          const lease = row.state === 'claimed' ? ` · lease ${human(row.leaseMs)}` : '';
-          process.stdout.write(`${row.id}\t${row.state}${owner}${lease} · expires in ${human(row.ttlMs)}\n`);
-        }
-      } finally {
-        redis.disconnect();
+  idOptions(
+    cacheOptions(
+      program
+        .command('inspect')
+        .description('show what the cache holds for IDs: the key each maps to, state, owner, TTL'),
+    ),
+  ).action(async (texts: string[], options: CacheOptions) => {
+    const ids = idsOf(texts, options, 'inspect');
+    const { redis, prefix, scope } = await open(options);
+    try {
+      for (const row of await inspectIds(redis, prefix, scope, ids)) {
+        const owner = row.owner ? ` · owner ${row.owner}` : '';
+        const lease = row.state === 'claimed' ? ` · lease ${humanDuration(row.leaseMs)}` : '';
+        const expires = row.state === 'unknown' ? '' : ` · expires in ${humanDuration(row.ttlMs)}`;
+        process.stdout.write(`${row.id}\tkey ${row.idKey}\t${row.state}${owner}${lease}${expires}\n`);
       }
-      done(ExitCode.ok);
-    });
+    } finally {
+      redis.disconnect();
+    }
+    done(ExitCode.ok);
+  });
 
   const cache = program.command('cache').description('dedup cache tools');
   cacheOptions(cache.command('stats').description('how many IDs a scope holds, and their memory')).action(
@@ -84,17 +117,60 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
       done(ExitCode.ok);
     },
   );
-  cacheOptions(cache.command('forget').description('delete IDs from the cache, so they are forwarded again'))
-    .argument('<id...>', 'the IDs, as text')
+  idOptions(
+    cacheOptions(
+      cache.command('forget').description('delete IDs from the cache, so they are forwarded again'),
+    ),
+  )
     .option('--yes', 'really delete (a forgotten ID that comes back is forwarded again)')
-    .action(async (ids: string[], options: CacheOptions) => {
+    .action(async (texts: string[], options: CacheOptions) => {
+      const ids = idsOf(texts, options, 'cache forget');
       if (!options.yes) {
         throw new ConfigError('cache forget: deletes what the bridge knows of these IDs; add --yes to do it');
       }
       const { redis, prefix, scope } = await open(options);
       try {
         const removed = await forgetIds(redis, prefix, scope, ids);
-        process.stdout.write(`forgot ${removed} of ${ids.length} ID(s) in scope ${scope}\n`);
+        ids.forEach((id, index) => {
+          const what = removed[index] ? 'forgotten' : 'not held';
+          process.stdout.write(`${id.label}\tkey ${id.key}\t${what}\n`);
+        });
+        const count = removed.filter(Boolean).length;
+        process.stdout.write(`forgot ${count} of ${ids.length} ID(s) in scope ${scope}\n`);
+      } finally {
+        redis.disconnect();
+      }
+      done(ExitCode.ok);
+    });
+
+  cacheOptions(
+    cache
+      .command('reset-scope')
+      .description(
+        'delete everything a scope holds (layout, IDs, claims), e.g. one first written with a short trial --dedup-window, so the next run lays it out for its own window',
+      ),
+  )
+    .option('--yes', 'really delete the scope')
+    .option(
+      '--force',
+      'also when it holds committed IDs or claims left in doubt (their messages, if they come again, are forwarded again); never while a bridge forwards on it',
+    )
+    .action(async (options: CacheOptions) => {
+      if (!options.yes) {
+        throw new ConfigError(
+          'cache reset-scope: deletes everything the cache holds for the scope (its layout, committed IDs and claims); add --yes to do it',
+        );
+      }
+      const { redis, prefix, scope } = await open(options);
+      try {
+        const result = await resetScope(redis, prefix, scope, { force: options.force === true });
+        const forgotten =
+          result.committed + result.staleClaims > 0
+            ? `; forgot ${result.committed} committed ID(s) and ${result.staleClaims} claim(s) left in doubt`
+            : '';
+        process.stdout.write(
+          `reset scope ${scope}: deleted ${result.keys} key(s) (it kept IDs in slices of ${humanDuration(result.sliceMs)})${forgotten}; the next bridge or job on it lays it out for its own --dedup-window\n`,
+        );
       } finally {
         redis.disconnect();
       }

@@ -327,7 +327,7 @@ export class DedupCache {
     const { prefix, scope } = this.options;
     const refused = () =>
       new ConfigError(
-        `--dedup-window: scope "${scope}" keeps its IDs in slices of ${formatDuration(this.current.sliceMs)} (set by the window it was first written with); a window over ${formatDuration(this.current.sliceMs * MAX_SLICES_PER_WINDOW)} would make every lookup walk more than ${MAX_SLICES_PER_WINDOW} slices: use a shorter window, or another --scope`,
+        `--dedup-window: scope "${scope}" keeps its IDs in slices of ${formatDuration(this.current.sliceMs)} (set by the window it was first written with); a window over ${formatDuration(this.current.sliceMs * MAX_SLICES_PER_WINDOW)} would make every lookup walk more than ${MAX_SLICES_PER_WINDOW} slices while it holds IDs: use a shorter window, or another --scope, or, if its IDs are from a trial with a short window, delete them with \`dedup-bridge cache reset-scope --scope ${scope} --yes\` (see --force there)`,
       );
     // Looked at first, so that a scope in use is refused without changing any shard.
     const metas = this.bases().map((base) => this.redis.exists(`${base}:m`));

@@ -349,7 +349,7 @@ describe('the Redis cache scripts (real Redis)', () => {
     await first.commit([first.keyOf('x')]);
     const week = { token: 'week', leaseMs: 10_000, windowMs: 7 * 86_400_000, prefix: 'dedup' };
     await expect(DedupCache.open(redis, { ...week, scope: used })).rejects.toThrow(
-      /^--dedup-window: scope "[^"]+" keeps its IDs in slices of 1m .* use a shorter window, or another --scope$/,
+      /^--dedup-window: scope "[^"]+" keeps its IDs in slices of 1m .* use a shorter window, or another --scope, or, .* `dedup-bridge cache reset-scope --scope [^ ]+ --yes` \(see --force there\)$/,
     );
     // Nothing committed yet: the scope takes slices that suit the longer window.
     const empty = uniqueName('scope');
