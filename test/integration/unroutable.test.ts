@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import {
+  countDelivery,
   declareQueue,
   depthOf,
   migrateArgs,
@@ -14,37 +15,58 @@ import {
   waitFor,
 } from '../helpers.js';
 
-/** Ten messages: even ones routed by key "good", odd ones by key "bad", which nothing is bound to. */
+const ALL = Array.from({ length: 10 }, (_, i) => `u-${i}`);
+/** The IDs the target exchange routes (key "good") and those it cannot (key "bad"). */
+const ROUTABLE = ALL.filter((_, i) => i % 2 === 0);
+const UNROUTABLE = ALL.filter((_, i) => i % 2 === 1);
+
+/**
+ * Ten messages in a source queue: even ones carry routing key "good", odd ones "bad" (published
+ * through an exchange of the test's own on the source, bound to the queue by both keys, so each
+ * message keeps its key). On the target, an exchange with only "good" bound to the target queue.
+ */
 async function setup(sourceOptions: Record<string, unknown> = {}) {
   const { sourceUrl, targetUrl } = servers();
   const source = uniqueName('src');
   const target = uniqueName('dst');
   const exchange = uniqueName('ex');
+  const sourceExchange = uniqueName('src-ex');
   await declareQueue(sourceUrl, source, sourceOptions);
   await declareQueue(targetUrl, target);
   const broker = await openBroker(targetUrl);
   await broker.channel.assertExchange(exchange, 'direct', { durable: true });
   await broker.channel.bindQueue(target, exchange, 'good');
   await broker.close();
-  const messages = Array.from({ length: 10 }, (_, i) => ({
-    body: `m${i}`,
-    routingKey: i % 2 === 0 ? 'good' : 'bad',
-    exchange: '',
-    options: { headers: { _HQ_DUPL_ID: `u-${i}` } },
-  }));
-  // Published straight to the source queue; the bridge uses each message's own key on the target.
-  const { sourceUrl: url } = servers();
-  const pub = await openBroker(url);
-  for (const message of messages) {
-    pub.channel.sendToQueue(source, Buffer.from(message.body), {
-      ...message.options,
-      persistent: true,
-    });
-  }
-  await pub.channel.waitForConfirms();
-  await pub.close();
+  const publisher = await openBroker(sourceUrl);
+  await publisher.channel.assertExchange(sourceExchange, 'direct', { durable: true });
+  await publisher.channel.bindQueue(source, sourceExchange, 'good');
+  await publisher.channel.bindQueue(source, sourceExchange, 'bad');
+  await publisher.close();
+  await publishAll(
+    sourceUrl,
+    source,
+    ALL.map((id, i) => ({
+      body: `m${i}`,
+      exchange: sourceExchange,
+      routingKey: i % 2 === 0 ? 'good' : 'bad',
+      options: { headers: { _HQ_DUPL_ID: id } },
+    })),
+  );
   return { sourceUrl, targetUrl, source, target, exchange };
 }
+
+/** Takes every message from a queue and counts it against `expected` by `_HQ_DUPL_ID`. */
+async function delivered(label: string, url: string, queue: string, expected: string[]) {
+  const messages = await takeAll(url, queue);
+  const count = countDelivery(
+    label,
+    expected,
+    messages.map((message) => String(message.properties.headers?._HQ_DUPL_ID)),
+  );
+  return { messages, count };
+}
+
+const exactly = (n: number) => ({ expected: n, received: n, lost: 0, duplicated: 0, unexpected: 0 });
 
 describe('unroutable messages are never lost', () => {
   it('by default they go back to the source queue; migrate gives up after --retry-for and exits 1', async () => {
@@ -59,7 +81,8 @@ describe('unroutable messages are never lost', () => {
     expect(lines.at(-1)).toMatch(/10 message\(s\) could not be forwarded .*--park-queue/);
     expect(run.report).toMatchObject({ outcome: 'stalled', forwarded: 0, remaining: 10 });
     expect(Number(run.report?.unroutable)).toBeGreaterThanOrEqual(10);
-    expect(await depthOf(sourceUrl, source)).toBe(10);
+    // All ten are back in the source queue, each once; none reached the target.
+    expect((await delivered('back in the source', sourceUrl, source, ALL)).count).toEqual(exactly(10));
     expect(await depthOf(targetUrl, target)).toBe(0);
   });
 
@@ -70,64 +93,47 @@ describe('unroutable messages are never lost', () => {
     const run = await migrateWithReport(
       migrateArgs(source, ['--target-exchange', exchange], '--park-queue', park),
     );
-    expect(run.code).toBe(0);
-    // The bridge used each message's own routing key: the queue name. Route them with key "good".
-    expect(run.report).toMatchObject({ forwarded: 0, parked: 10, unroutable: 10 });
-    const parked = await takeAll(sourceUrl, park);
-    expect(parked.map((m) => m.content.toString()).sort()).toEqual(
-      Array.from({ length: 10 }, (_, i) => `m${i}`).sort(),
+    expect(run.code, run.stderr).toBe(0);
+    // Each message goes by its own routing key: "good" ones are routed, "bad" ones are not.
+    expect(run.report).toMatchObject({ forwarded: 5, parked: 5, unroutable: 5 });
+    const arrived = await delivered('routable, on the target', targetUrl, target, ROUTABLE);
+    expect(arrived.count).toEqual(exactly(5));
+    // Forwarded once, not in doubt.
+    expect(arrived.messages.map((m) => m.properties.headers?.['x-dedup-in-doubt'])).toEqual(
+      Array(5).fill(undefined),
     );
-    expect(parked[0]?.properties.headers?.['x-dedup-park-reason']).toBe('unroutable');
+    const parked = await delivered('unroutable, in the park queue', sourceUrl, park, UNROUTABLE);
+    expect(parked.count).toEqual(exactly(5));
+    expect(parked.messages.map((m) => m.properties.headers?.['x-dedup-park-reason'])).toEqual(
+      Array(5).fill('unroutable'),
+    );
     expect(await depthOf(sourceUrl, source)).toBe(0);
-    expect(await depthOf(targetUrl, target)).toBe(0);
   });
 
-  it('routes per message: with the message key "good" bound, only the "bad" ones are parked', async () => {
+  it('--target-routing-key replaces each message’s own key: with "good" for all, all ten arrive', async () => {
     const { sourceUrl, targetUrl, source, target, exchange } = await setup();
     const park = uniqueName('park');
     await declareQueue(sourceUrl, park);
-    // Re-publish through an exchange on the source so each message keeps its own routing key.
-    await takeAll(sourceUrl, source);
-    const broker = await openBroker(sourceUrl);
-    await broker.channel.bindQueue(source, 'amq.direct', 'good');
-    await broker.channel.bindQueue(source, 'amq.direct', 'bad');
-    await broker.close();
-    await publishAll(
-      sourceUrl,
-      source,
-      Array.from({ length: 10 }, (_, i) => ({
-        body: `m${i}`,
-        exchange: 'amq.direct',
-        routingKey: i % 2 === 0 ? 'good' : 'bad',
-        options: { headers: { _HQ_DUPL_ID: `r-${i}` } },
-      })),
-    );
     const run = await migrateWithReport(
-      migrateArgs(source, ['--target-exchange', exchange], '--park-queue', park),
+      migrateArgs(
+        source,
+        ['--target-exchange', exchange, '--target-routing-key', 'good'],
+        '--park-queue',
+        park,
+      ),
     );
-    expect(run.code).toBe(0);
-    expect(run.report).toMatchObject({ forwarded: 5, parked: 5, unroutable: 5 });
-    expect((await takeAll(targetUrl, target)).map((m) => m.content.toString()).sort()).toEqual([
-      'm0',
-      'm2',
-      'm4',
-      'm6',
-      'm8',
-    ]);
-    expect((await takeAll(sourceUrl, park)).map((m) => m.content.toString()).sort()).toEqual([
-      'm1',
-      'm3',
-      'm5',
-      'm7',
-      'm9',
-    ]);
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: 10, parked: 0, unroutable: 0 });
+    expect((await delivered('all, on the target', targetUrl, target, ALL)).count).toEqual(exactly(10));
+    expect(await depthOf(sourceUrl, park)).toBe(0);
+    expect(await depthOf(sourceUrl, source)).toBe(0);
   });
 
   it('with --on-unroutable dead-letter they go to the source queue’s dead-letter exchange', async () => {
     const { sourceUrl } = servers();
     const dlq = uniqueName('dlq');
     await declareQueue(sourceUrl, dlq);
-    const { source } = await setup({
+    const { source, target, targetUrl } = await setup({
       arguments: { 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': dlq },
     });
     const missing = uniqueName('no-such-queue');
@@ -139,10 +145,17 @@ describe('unroutable messages are never lost', () => {
         'dead-letter',
       ),
     );
-    expect(run.code).toBe(0);
+    expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: 0, deadLettered: 10 });
-    expect(await depthOf(sourceUrl, dlq)).toBe(10);
+    // All ten, each once, dead-lettered by the source queue (rejected, not requeued).
+    const dead = await delivered('dead-lettered', sourceUrl, dlq, ALL);
+    expect(dead.count).toEqual(exactly(10));
+    for (const message of dead.messages) {
+      const deaths = message.properties.headers?.['x-death'] as { queue: string; reason: string }[];
+      expect(deaths?.[0]).toMatchObject({ queue: source, reason: 'rejected' });
+    }
     expect(await depthOf(sourceUrl, source)).toBe(0);
+    expect(await depthOf(targetUrl, target)).toBe(0);
   });
 
   it('an unroutable message whose ID is re-encoded as a key (long, or prefix-like) is still recognised as returned', async () => {
@@ -161,11 +174,12 @@ describe('unroutable messages are never lost', () => {
     const run = await migrateWithReport(
       migrateArgs(source, ['--target-exchange', '', '--target-routing-key', missing], '--park-queue', park),
     );
-    expect(run.code).toBe(0);
+    expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: 0, parked: 3, unroutable: 3 });
     expect((await takeAll(sourceUrl, park)).map((m) => m.properties.messageId).sort()).toEqual(
       [...ids].sort(),
     );
+    expect(await depthOf(sourceUrl, source)).toBe(0);
   });
 
   it('a publish nacked by one of several queues behind an exchange leaves its ID in doubt: the next copy is flagged', async () => {
