@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 
 # --- build: install everything and compile TypeScript to dist/ ---
-FROM node:20-bookworm-slim AS build
+# Node 24 LTS, the exact release CI tests on (.ci/run).
+FROM node:24.22.3-bookworm-slim AS build
 WORKDIR /app
 COPY package.json package-lock.json tsconfig.json tsconfig.build.json ./
 COPY src ./src
@@ -10,7 +11,7 @@ COPY bin ./bin
 RUN npm ci
 
 # --- runtime: production dependencies, the compiled code and the bin shim only ---
-FROM node:20-bookworm-slim
+FROM node:24.22.3-bookworm-slim
 ENV NODE_ENV=production
 WORKDIR /app
 COPY package.json package-lock.json ./
