@@ -59,7 +59,7 @@ export async function connectAmqpAny(
       return { connection, index };
     } catch (error) {
       if (error instanceof AmqplibInternalsError) throw error;
-      const fatal = classifyConnectError(error, where, options.side);
+      const fatal = classifyConnectError(error, where, options.side, vhostOf(url));
       if (fatal) throw fatal;
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
       const elapsed = Date.now() - started;
@@ -82,5 +82,15 @@ export async function connectAmqpAny(
       if (delay > 0) await sleep(delay);
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
     }
+  }
+}
+
+/** The virtual host a URL names, as amqplib reads it ("/" when the URL has no path). */
+export function vhostOf(url: string): string {
+  try {
+    const path = new URL(url).pathname;
+    return path ? decodeURIComponent(path.slice(1)) || '/' : '/';
+  } catch {
+    return '/';
   }
 }

@@ -15,6 +15,9 @@ export function replyCodeOf(error: unknown): number | undefined {
     if (typeof message === 'string') {
       const match = /Handshake terminated by server: (\d{3})|Connection closed: (\d{3})/.exec(message);
       if (match) return Number(match[1] ?? match[2]);
+      // RabbitMQ answers connection.open with connection.close only to refuse the virtual host
+      // (NOT_ALLOWED: it does not exist, or the user may not use it); amqplib says just this.
+      if (/Expected ConnectionOpenOk; got <ConnectionClose/.test(message)) return 530;
     }
   }
   return undefined;
@@ -28,6 +31,7 @@ export function classifyConnectError(
   error: unknown,
   where: string,
   side: TlsSide,
+  vhost?: string,
 ): FatalConnectError | undefined {
   const reply = replyCodeOf(error);
   if (reply === 403) {
@@ -36,8 +40,9 @@ export function classifyConnectError(
     );
   }
   if (reply === 530) {
+    const named = vhost === undefined ? 'the virtual host' : `the virtual host "${vhost}"`;
     return new FatalConnectError(
-      `${where}: the virtual host does not exist or the user may not use it (NOT_ALLOWED); check the vhost in the URL and the user's permissions`,
+      `${where}: ${named} does not exist or the user may not use it (NOT_ALLOWED); check the vhost in the URL (%2F is "/") and the user's permissions on it (rabbitmqctl list_permissions -p <vhost>)`,
     );
   }
   if (reply !== undefined && FATAL_REPLY_CODES.has(reply)) {

@@ -4,7 +4,7 @@ import type { TlsFiles } from '../config/tls.js';
 import { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
-import { ConnectCancelled, connectAmqpAny } from './connect.js';
+import { ConnectCancelled, connectAmqpAny, vhostOf } from './connect.js';
 import { describe } from './errors.js';
 import { clusterNameOf } from './internals.js';
 
@@ -180,15 +180,5 @@ function hostOf(url: string): string {
     return new URL(url).host;
   } catch {
     return 'unknown';
-  }
-}
-
-/** The virtual host a URL names, as amqplib reads it ("/" when the URL has no path). */
-export function vhostOf(url: string): string {
-  try {
-    const path = new URL(url).pathname;
-    return path ? decodeURIComponent(path.slice(1)) || '/' : '/';
-  } catch {
-    return '/';
   }
 }

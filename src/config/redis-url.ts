@@ -66,6 +66,13 @@ export function parseRedisUrl(url: string): RedisTopology {
     );
   }
   if (parsed.hostname === '') throw new RedisUrlError(`${shown} has no host; use ${REDIS_URL_EXAMPLES}`);
+  // The path is the database number; ioredis would send SELECT NaN for anything else.
+  const db = parsed.pathname.replace(/^\//, '');
+  if (db !== '' && !/^\d+$/.test(db)) {
+    throw new RedisUrlError(
+      `${shown} has the path "/${db}", which is not a database number; give redis://host:port/<db> with a number (0 by default) or no path`,
+    );
+  }
   try {
     decodeURIComponent(parsed.username);
     decodeURIComponent(parsed.password);

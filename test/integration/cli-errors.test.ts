@@ -40,6 +40,21 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expectOneLine(result, 2, /--source .*not a URL/);
   });
 
+  it('a Redis URL whose path is not a database number exits 2 with one line, before connecting', async () => {
+    const result = await runCli(args({ '--redis': `redis://:${SECRET}@127.0.0.1:6390/abc` }));
+    expectOneLine(result, 2, /--redis .*the path "\/abc", which is not a database number/);
+  });
+
+  it('a virtual host that does not exist exits 2 naming it, without retrying', async () => {
+    const { sourceUrl } = servers();
+    const url = new URL(sourceUrl);
+    url.pathname = '/novhost';
+    const started = Date.now();
+    const result = await runCli(['run', ...args({ '--source': url.toString() }).slice(1)]);
+    expectOneLine(result, 2, /the virtual host "novhost" does not exist or the user may not use it/);
+    expect(Date.now() - started).toBeLessThan(30_000);
+  });
+
   it('a URL of the wrong scheme exits 2 without printing its password', async () => {
     const result = await runCli(args({ '--redis': `http://user:${SECRET}@localhost:6379` }));
     expectOneLine(result, 2, /--redis .*scheme http; use redis or rediss/);

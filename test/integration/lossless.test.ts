@@ -1,8 +1,7 @@
 import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
-import { connectAmqp } from '../../src/amqp/connect.js';
+import { connectAmqp, vhostOf } from '../../src/amqp/connect.js';
 import { clusterNameOf, publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
-import { vhostOf } from '../../src/amqp/link.js';
 import { contentHeaderOf } from '../../src/amqp/properties.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { withDedupId } from '../../src/client/producer.js';
