@@ -591,7 +591,10 @@ export class Pipeline {
     } else if (onUnroutable === 'dead-letter') {
       this.counters.deadLettered++;
       this.progress();
-      this.log.warn({ reason: why }, 'message dead-lettered');
+      this.log.warn(
+        { reason: why },
+        "message rejected to the source queue's dead-letter exchange (RabbitMQ drops it if the queue has none)",
+      );
       this.settle(entry, () => this.source.nack(entry.message, false));
       return;
     }

@@ -1,6 +1,6 @@
 import { formatDuration, parseDuration } from '../config/duration.js';
 import { type BridgeSettings, DEFAULTS } from '../config/settings.js';
-import { UnavailableError } from '../errors.js';
+import { ConfigError, UnavailableError } from '../errors.js';
 import { type QueueShape, readQueueShape } from '../migrate/topology.js';
 import type { Logger } from '../observe/log.js';
 
@@ -61,6 +61,12 @@ export async function sourceTtlWarnings(
   log: Logger,
 ): Promise<string[]> {
   const unchecked = routes.filter((route) => !(route.sourceManagementUrl ?? managementUrl));
+  const deadLetterUnchecked = unchecked.filter((route) => route.onUnroutable === 'dead-letter');
+  if (deadLetterUnchecked.length > 0) {
+    log.warn(
+      `--on-unroutable dead-letter: cannot check that ${deadLetterUnchecked.map((route) => `"${route.sourceQueue}"`).join(', ')} has a dead-letter exchange (RabbitMQ drops what it rejects otherwise); give --source-management to check it`,
+    );
+  }
   if (unchecked.length > 0) {
     const which =
       unchecked.length < routes.length ? ` for ${unchecked.map((route) => route.route).join(', ')}` : '';
@@ -79,6 +85,8 @@ export async function sourceTtlWarnings(
       log.debug({ queue: route.sourceQueue, messageTtlMs: ttl?.ms ?? null }, 'source queue TTL read');
       const warning = windowWarning(route.sourceQueue, ttl, route.dedupWindowMs);
       if (warning) warnings.push(warning);
+      const noDeadLetter = deadLetterProblem(route, shape);
+      if (noDeadLetter) throw new ConfigError(noDeadLetter);
     } catch (error) {
       if (!(error instanceof UnavailableError)) throw error;
       // The other queues would wait for the same API: one warning for all of them.
@@ -87,4 +95,15 @@ export async function sourceTtlWarnings(
     }
   }
   return warnings;
+}
+
+/**
+ * With `--on-unroutable dead-letter` the bridge rejects what it cannot forward to the source
+ * queue's dead-letter exchange; a queue without one (argument or policy) makes RabbitMQ drop it.
+ */
+export function deadLetterProblem(route: BridgeSettings, shape: QueueShape): string | undefined {
+  if (route.onUnroutable !== 'dead-letter') return undefined;
+  if (shape.arguments['x-dead-letter-exchange'] !== undefined) return undefined;
+  if (shape.policy['dead-letter-exchange'] !== undefined) return undefined;
+  return `--on-unroutable dead-letter: source queue "${route.sourceQueue}" has no dead-letter exchange (no x-dead-letter-exchange argument or policy), so RabbitMQ would drop every message the bridge rejects; give the queue one, or use --park-queue or --on-unroutable requeue`;
 }

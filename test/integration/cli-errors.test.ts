@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { freePort } from '../harness/servers.js';
-import { type CliResult, queuePair, runCli, servers, uniqueName } from '../helpers.js';
+import { type CliResult, depthOf, publishAll, queuePair, runCli, servers, uniqueName } from '../helpers.js';
 
 const SECRET = 's3cr3t-Pa55';
 
@@ -53,6 +53,27 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     const result = await runCli(['run', ...args({ '--source': url.toString() }).slice(1)]);
     expectOneLine(result, 2, /the virtual host "novhost" does not exist or the user may not use it/);
     expect(Date.now() - started).toBeLessThan(30_000);
+  });
+
+  it('--on-unroutable dead-letter on a source queue without a dead-letter exchange exits 2, before consuming', async () => {
+    const { sourceUrl, sourceManagementUrl } = servers();
+    const { source, target } = await queuePair();
+    await publishAll(sourceUrl, source, [{ body: 'kept', options: { headers: { _HQ_DUPL_ID: 'dl-1' } } }]);
+    const result = await runCli(
+      args(
+        { '--source-queue': source, '--target-queue': target },
+        '--on-unroutable',
+        'dead-letter',
+        '--source-management',
+        sourceManagementUrl,
+      ),
+    );
+    expectOneLine(
+      result,
+      2,
+      /source queue "t-src-[0-9a-f]+" has no dead-letter exchange .* RabbitMQ would drop/,
+    );
+    expect(await depthOf(sourceUrl, source)).toBe(1);
   });
 
   it('a URL of the wrong scheme exits 2 without printing its password', async () => {
