@@ -167,7 +167,9 @@ function withMeta(base: string, keys: readonly string[]): [number, ...string[]] 
  * How long one WAIT may block the commit connection while the replicas are behind. It is then sent
  * again, with the commit, for as long as it takes: the caller acks nothing meanwhile.
  */
-export const WAIT_TIMEOUT_MS = 1000;
+export const WAIT_TIMEOUT_MS = 500;
+/** The most IDs of one shard that go in one commit under --redis-wait-replicas (--batch-size's limit). */
+const MAX_GROUP_IDS = 5000;
 /** How long a shard's write mark (see commitDurably) outlives the last commit that set it. */
 const MARK_TTL_MS = 60_000;
 
@@ -233,6 +235,12 @@ export interface IdRecord {
 }
 
 type Arg = string | number | Buffer;
+
+/** A shard's commits under --redis-wait-replicas, sent a group at a time (see commitDurably). */
+interface CommitLane {
+  waiting: { keys: string[]; resolve: (replies: unknown[]) => void; reject: (error: unknown) => void }[];
+  busy: boolean;
+}
 type ScriptCall = (numKeys: number, ...args: Arg[]) => Promise<unknown>;
 
 /**
@@ -256,9 +264,16 @@ export class DedupCache {
   private readonly commitRedis: RedisClient;
   /** Counts the commit connection's reconnects (one server or Sentinel; see commitDurably). */
   private commitEpoch = 0;
-  /** Shard commits now waiting on replicas that are behind, and since when some have been. */
-  private waitingOnReplicas = 0;
+  /**
+   * Shards whose last WAIT came back short, until one of their commits gets its replicas (a commit
+   * whose caller gave up stays counted: the caller retries it); and since when there have been any.
+   */
+  private readonly behindShards = new Set<string>();
   private behindSince: number | undefined;
+  /** Per shard: commits waiting to go, and whether a group of them is out (see commitDurably). */
+  private readonly lanes = new Map<string, CommitLane>();
+  /** Shards whose server has run the commit script sent whole, so that its SHA1 will do. */
+  private readonly loadedOn = new Set<string>();
 
   private constructor(
     readonly redis: RedisClient,
@@ -411,83 +426,129 @@ export class DedupCache {
   }
 
   /**
-   * One shard's commit, returned only once `waitReplicas` replicas hold it. Each attempt is one
-   * pipeline on one connection, so on a Cluster it reaches the master that holds the shard's slot:
-   * the commit script, a write of the shard's mark key, and WAIT. WAIT waits for this connection's
-   * last write to reach the replicas; the mark makes that write come after the IDs' records even
-   * when the script wrote nothing (every ID already committed, by another process or by an
-   * earlier attempt of ours), so whatever WAIT counts holds those records. An attempt whose WAIT
-   * comes back short, or whose replies straddle a reconnect (a resent WAIT on another server would
-   * not cover a commit made on the old one), is made again whole: the script commits what a
-   * failover lost ('restored') and finds the rest committed. Errors go to the caller, which retries.
+   * One shard's commit, returned only once `waitReplicas` replicas hold it. A shard's commits go
+   * one group at a time: those that arrive while one is out (or waiting on lagging replicas) go
+   * together as the next, one script call and one WAIT, so that a WAIT that blocks delays no
+   * other WAIT of the shard and a shard never has more than one in the connection.
    */
-  private async commitDurably(base: string, keys: string[]): Promise<unknown> {
-    const wanted = this.waitReplicas;
-    let first: unknown;
-    let whole = false;
-    let behind = false;
+  private commitDurably(base: string, keys: string[]): Promise<unknown[]> {
+    let lane = this.lanes.get(base);
+    if (!lane) {
+      lane = { waiting: [], busy: false };
+      this.lanes.set(base, lane);
+    }
+    const it = lane;
+    return new Promise((resolve, reject) => {
+      it.waiting.push({ keys, resolve, reject });
+      if (!it.busy) void this.drainLane(base, it);
+    });
+  }
+
+  private async drainLane(base: string, lane: CommitLane): Promise<void> {
+    lane.busy = true;
     try {
-      for (;;) {
-        const epoch = this.commitEpoch;
-        const args = this.commitArgs(base, keys);
-        const batch = (this.commitRedis as Redis).pipeline();
-        if (whole) batch.eval(COMMIT_LUA, ...args);
-        else batch.evalsha(COMMIT_SHA, ...args);
-        batch.set(`${base}:w`, this.token, 'PX', MARK_TTL_MS);
-        batch.wait(wanted, WAIT_TIMEOUT_MS);
-        const [committed, marked, waited] = ((await batch.exec()) ?? []) as [Error | null, unknown][];
-        const commitError = committed?.[0];
-        if (commitError) {
-          // Not loaded on this server yet (a new master, a flushed script cache): send it whole.
-          if (!whole && /^NOSCRIPT/.test(commitError.message)) {
-            whole = true;
-            continue;
+      while (lane.waiting.length > 0) {
+        // Up to the most IDs one batch may have (--batch-size), and at least one commit.
+        let count = 1;
+        let size = lane.waiting[0]?.keys.length ?? 0;
+        for (const item of lane.waiting.slice(1)) {
+          size += item.keys.length;
+          if (size > MAX_GROUP_IDS) break;
+          count++;
+        }
+        const group = lane.waiting.splice(0, count);
+        try {
+          const replies = await this.commitReplicated(
+            base,
+            group.flatMap((item) => item.keys),
+          );
+          let at = 0;
+          for (const item of group) {
+            item.resolve(replies.slice(at, at + item.keys.length));
+            at += item.keys.length;
           }
-          throw commitError;
-        }
-        first ??= committed?.[1];
-        if (marked?.[0]) throw marked[0];
-        const waitError = waited?.[0];
-        if (waitError) {
-          throw /NOPERM/.test(waitError.message)
-            ? new Error(
-                `${waitError.message}: --redis-wait-replicas needs the Redis user to be allowed WAIT (+wait)`,
-                { cause: waitError },
-              )
-            : waitError;
-        }
-        if (this.commitEpoch !== epoch) continue;
-        const acked = Number(waited?.[1]);
-        if (acked >= wanted) {
-          if (behind) {
-            behind = false;
-            this.waitingOnReplicas--;
-          }
-          this.replicasCaughtUp();
-          return first;
-        }
-        if (!behind) {
-          behind = true;
-          this.replicasBehind(acked);
+        } catch (error) {
+          for (const item of group) item.reject(error);
         }
       }
     } finally {
-      // Thrown while waiting: the caller retries, and this commit counts again when it is short.
-      if (behind) this.waitingOnReplicas--;
+      lane.busy = false;
     }
   }
 
-  /** Said once for as long as some commit waits on the replicas, not once per batch or shard. */
-  private replicasBehind(acked: number): void {
-    this.waitingOnReplicas++;
+  /**
+   * Commits the keys of one shard and waits until `waitReplicas` replicas hold the commit. Each
+   * attempt is one pipeline on one connection, so on a Cluster it reaches the master that holds
+   * the shard's slot: the commit script, a write of the shard's mark key, and WAIT. WAIT waits
+   * for this connection's last write to reach the replicas; the mark makes that write come after
+   * the IDs' records even when the script wrote nothing (every ID already committed, by another
+   * process or by an earlier attempt of ours), so whatever WAIT counts holds those records. An
+   * attempt whose WAIT comes back short, or whose replies straddle a reconnect (a resent WAIT on
+   * another server would not cover a commit made on the old one), is made again whole: the script
+   * commits what a failover lost ('restored') and finds the rest committed. Returns the replies
+   * of the first attempt that committed; errors go to the caller, which retries.
+   */
+  private async commitReplicated(base: string, keys: string[]): Promise<unknown[]> {
+    const wanted = this.waitReplicas;
+    let first: unknown[] | undefined;
+    for (;;) {
+      const epoch = this.commitEpoch;
+      const args = this.commitArgs(base, keys);
+      const batch = (this.commitRedis as Redis).pipeline();
+      // Whole the first time on a shard (and after a NOSCRIPT), by its SHA1 after that.
+      const whole = !this.loadedOn.has(base);
+      if (whole) batch.eval(COMMIT_LUA, ...args);
+      else batch.evalsha(COMMIT_SHA, ...args);
+      batch.set(`${base}:w`, this.token, 'PX', MARK_TTL_MS);
+      batch.wait(wanted, WAIT_TIMEOUT_MS);
+      const [committed, marked, waited] = ((await batch.exec()) ?? []) as [Error | null, unknown][];
+      const commitError = committed?.[0];
+      if (commitError) {
+        // Not loaded on this server (a new master, a flushed script cache): send it whole.
+        if (!whole && /^NOSCRIPT/.test(commitError.message)) {
+          this.loadedOn.delete(base);
+          continue;
+        }
+        // The slot moved (a failover, a resharding) and the WAIT went through on the old node, so
+        // ioredis did not send the pipeline again: look the slots up, for the caller's retry.
+        if (/^(MOVED|ASK) /.test(commitError.message) && this.commitRedis instanceof Cluster) {
+          this.commitRedis.refreshSlotsCache();
+        }
+        throw commitError;
+      }
+      this.loadedOn.add(base);
+      first ??= committed?.[1] as unknown[];
+      if (marked?.[0]) throw marked[0];
+      const waitError = waited?.[0];
+      if (waitError) {
+        throw /NOPERM/.test(waitError.message)
+          ? new Error(
+              `${waitError.message}: --redis-wait-replicas needs the Redis user to be allowed WAIT (+wait)`,
+              { cause: waitError },
+            )
+          : waitError;
+      }
+      if (this.commitEpoch !== epoch) continue;
+      const acked = Number(waited?.[1]);
+      if (acked >= wanted) {
+        this.replicasCaughtUp(base);
+        return first;
+      }
+      this.replicasBehind(base, acked);
+    }
+  }
+
+  /** Said once for as long as any shard waits on its replicas, not once per batch or shard. */
+  private replicasBehind(base: string, acked: number): void {
+    this.behindShards.add(base);
     if (this.behindSince !== undefined) return;
     this.behindSince = Date.now();
     this.options.onReplicas?.({ behind: true, wanted: this.waitReplicas, acked });
   }
 
-  private replicasCaughtUp(): void {
-    if (this.waitingOnReplicas > 0 || this.behindSince === undefined) return;
-    const heldMs = Date.now() - this.behindSince;
+  private replicasCaughtUp(base: string): void {
+    if (!this.behindShards.delete(base) || this.behindShards.size > 0) return;
+    const heldMs = Date.now() - (this.behindSince ?? Date.now());
     this.behindSince = undefined;
     this.options.onReplicas?.({ behind: false, wanted: this.waitReplicas, heldMs });
   }
