@@ -537,7 +537,9 @@ export class Pipeline {
   private publish(entry: Entry, alone: boolean): Promise<PublishOutcome> {
     const message = entry.message;
     const header = entry.header as ContentHeader;
-    const remove = [IN_DOUBT_HEADER];
+    // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
+    // with the message is dropped, and set only from a user_id the source broker vouched for.
+    const remove = [IN_DOUBT_HEADER, SOURCE_USER_HEADER];
     const append: Buffer[] = [];
     if (entry.idField) {
       remove.push(DUPLICATE_ID_HEADER);
@@ -547,7 +549,6 @@ export class Pipeline {
     const foreignUser = userId !== undefined && userId.toString('utf8') !== this.settings.targetUser;
     if (foreignUser) {
       // RabbitMQ refuses a user_id that is not the publishing user; keep it as a header instead.
-      remove.push(SOURCE_USER_HEADER);
       append.push(rawField(SOURCE_USER_HEADER, encodeValue({ type: 'S', value: userId })));
     }
     if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);

@@ -18,6 +18,7 @@ import {
   startCli,
   uniqueName,
   waitFor,
+  withOption,
 } from '../helpers.js';
 import {
   array,
@@ -43,6 +44,7 @@ import {
   uint32,
   voidValue,
 } from '../wire.js';
+import { adminServers, asUser } from './privilege-admin.js';
 
 // Messages as a Java, .NET or Python producer sends them, built byte by byte (amqplib cannot even
 // encode most of these types). What the target stores must be, byte for byte, what a direct
@@ -614,5 +616,62 @@ describe('the wire path is lossless', () => {
     const left = await takeRaw(sourceUrl, source);
     expect(left.map((m) => m.body.toString())).toEqual(['precious']);
     expect(await depthOf(targetUrl, target)).toBe(0);
+  });
+
+  it('a user_id the target would refuse travels as x-dedup-source-user-id; one that came as a header is dropped (a producer can forge it)', async () => {
+    const admin = await adminServers();
+    const user = uniqueName('bridge-t');
+    const password = 'p-' + uniqueName('pw');
+    try {
+      await admin.addUsers('target', [
+        { name: user, password, permissions: { configure: '.*', write: '.*', read: '.*' } },
+      ]);
+      const source = uniqueName('user-src');
+      const target = uniqueName('user-dst');
+      await declareQueue(admin.sourceUrl, source);
+      await declareQueue(admin.targetUrl, target);
+      const sourceUser = new URL(admin.sourceUrl).username || 'guest';
+      const tag = uniqueName('u');
+      const forged = field('x-dedup-source-user-id', longString('admin'));
+      const id = (n: number) => field('_HQ_DUPL_ID', longString(`${tag}-${n}`));
+      const sent: Sent[] = [
+        {
+          label: 'user_id of the source user, and a forged header',
+          properties: props({ headers: table(forged, id(1)), userId: sourceUser, appId: 'a' }),
+          body: Buffer.from('one'),
+          // user_id out, the forged header out, the real user_id appended as the header.
+          expected: props({
+            headers: table(id(1), field('x-dedup-source-user-id', longString(sourceUser))),
+            appId: 'a',
+          }),
+        },
+        {
+          label: 'no user_id, a forged header',
+          properties: props({ headers: table(id(2), forged) }),
+          body: Buffer.from('two'),
+          expected: props({ headers: table(id(2)) }),
+        },
+      ];
+      await publishCorpus(admin.sourceUrl, source, sent);
+      const args = withOption(
+        withOption(
+          migrateArgs(source, ['--target-queue', target]),
+          '--target',
+          asUser(admin.targetUrl, user, password),
+        ),
+        '--source',
+        admin.sourceUrl,
+      );
+      const run = await migrateWithReport(withOption(args, '--redis', admin.redisUrl));
+      expect(run.code, run.stderr).toBe(0);
+      const mark = await routeMarkOf(admin.sourceUrl, source);
+      const arrived = await takeRaw(admin.targetUrl, target);
+      expect(arrived.map((m) => m.header.toString('hex'))).toEqual(
+        sent.map((m) => withField(m.expected as Buffer, mark).toString('hex')),
+      );
+    } finally {
+      await admin.deleteUsers('target', [user]).catch(() => {});
+      await admin.stop();
+    }
   });
 });
