@@ -155,7 +155,7 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
     )
     .option(
       '--strict',
-      'refuse to start on a Redis that keeps nothing on disk or may evict keys, or a source queue whose messages can outlive --dedup-window',
+      'exit 2 instead of warning at start when a Redis master (each one of a Cluster) has no append-only file, or may evict keys (a maxmemory with a policy other than noeviction), or (Sentinel) has no replica connected; or, with --source-management, a source queue keeps messages longer than --dedup-window (or forever, with a window under 7d), or its management API does not answer. Accepted: any appendfsync, replication lag, fewer replicas than --redis-wait-replicas',
     )
     .addOption(
       new Option('--metrics-port <port>', 'serve /metrics, /healthz and /readyz on this port').env(
