@@ -48,18 +48,18 @@ export class TokenBucket {
     let needed = count;
     while (needed > 0) {
       const now = Date.now();
+      // Never more than the burst: tokens saved up while idle (or connecting) are not a second's worth.
       this.tokens = Math.min(
-        this.ratePerSecond,
+        this.capacity,
         this.tokens + ((now - this.refilledAt) / 1000) * this.ratePerSecond,
       );
       this.refilledAt = now;
       const grant = Math.min(needed, Math.floor(this.tokens));
       this.tokens -= grant;
       needed -= grant;
+      // Until the bucket holds what is needed, or is full (it holds no more than a burst).
       if (needed > 0)
-        await sleep(
-          Math.max(5, Math.ceil((Math.min(needed, this.ratePerSecond) / this.ratePerSecond) * 1000)),
-        );
+        await sleep(Math.max(5, Math.ceil((Math.min(needed, this.capacity) / this.ratePerSecond) * 1000)));
     }
   }
 }
