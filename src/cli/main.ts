@@ -16,7 +16,7 @@ import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, FatalConnectError } from '../errors.js';
 import { formatJobReport } from '../migrate/report.js';
-import { runMigration, writeReport } from '../migrate/runner.js';
+import { type JobContext, runMigration, stoppedJobReport, writeReport } from '../migrate/runner.js';
 import { createLogger, type Logger } from '../observe/log.js';
 import { type ObserveServer, resolveMetricsEndpoint, startObserveServer } from '../observe/server.js';
 import { addCacheCommands } from './cache.js';
@@ -149,27 +149,58 @@ async function forwardUntilStopped(
   return superviseRoutes(await starting, routes, signal.first, log);
 }
 
+/**
+ * `migrate`; with --report, a report is written on every exit (0 to 4), with the outcome, the exit
+ * code and the error's line: also when the options are refused after --report was read, another
+ * run holds the job, or a server cannot be reached, so that a scheduled run always leaves one.
+ */
 async function migrateCommand(raw: MigrateRawOptions & { strict?: boolean }): Promise<number> {
+  const started = Date.now();
+  const context: JobContext = { name: raw.jobName, dryRun: raw.dryRun === true };
+  let result: Awaited<ReturnType<typeof migrate>>;
+  try {
+    result = await migrate(raw, context);
+  } catch (error) {
+    if (raw.report !== undefined) {
+      const { code, text } = describeFailure(error);
+      const report = stoppedJobReport(context, { exitCode: code, line: text }, Date.now() - started);
+      // The error's own line is what matters here; a report that cannot be written adds nothing.
+      await writeReport(raw.report, report).catch(() => {});
+    }
+    throw error;
+  }
+  const { settings, outcome } = result;
+  if (settings.reportPath) await writeReport(settings.reportPath, outcome.report);
+  if (!settings.quiet) process.stderr.write(formatJobReport(outcome.report));
+  for (const problem of outcome.problems) process.stderr.write(`dedup-bridge: ${problem}\n`);
+  return outcome.exitCode;
+}
+
+async function migrate(raw: MigrateRawOptions & { strict?: boolean }, context: JobContext) {
   const settings = resolveMigrateSettings(raw);
   const metricsEndpoint = resolveMetricsEndpoint(raw);
   if (settings.reportPath) await checkWritable(settings.reportPath);
   const first = settings.routes[0] as BridgeSettings;
   const log = createLogger(first.logLevel, process.stdout.isTTY === true);
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
-  let result: Awaited<ReturnType<typeof runMigration>>;
   try {
+    context.name = settings.jobName;
     const ttlWarnings = await sourceTtlWarnings(settings.routes, settings.sourceManagementUrl, log);
     warnOrRefuse(ttlWarnings, raw.strict === true, log);
     await checkRedis(first, raw.strict === true, log);
     const signal = onStopSignal();
-    result = await runMigration(settings, log, signal.first, process.stderr.isTTY === true, observer);
+    const outcome = await runMigration(
+      settings,
+      log,
+      signal.first,
+      process.stderr.isTTY === true,
+      observer,
+      context,
+    );
+    return { settings, outcome };
   } finally {
     await observer?.close();
   }
-  if (settings.reportPath) await writeReport(settings.reportPath, result.report);
-  if (!settings.quiet) process.stderr.write(formatJobReport(result.report));
-  for (const problem of result.problems) process.stderr.write(`dedup-bridge: ${problem}\n`);
-  return result.exitCode;
 }
 
 /** Warns (or with --strict refuses) when the Redis cannot be trusted to remember IDs. */
@@ -203,6 +234,13 @@ async function checkWritable(path: string): Promise<void> {
       `--report: cannot write to the folder of "${path}"; give a path in a writable folder`,
     );
   }
+}
+
+/** The exit code an error ends the CLI with, and its line (without the "dedup-bridge: "). */
+function describeFailure(error: unknown): { code: number; text: string } {
+  if (error instanceof BridgeError) return { code: error.exitCode, text: error.message };
+  const message = error instanceof Error ? error.message : String(error);
+  return { code: ExitCode.runtime, text: `internal error (please report it): ${message.split('\n')[0]}` };
 }
 
 function reportError(error: unknown): number {

@@ -109,7 +109,7 @@ export async function dryRunQueue(
       remaining: messageCount,
       deleted: false,
       elapsedMs: Date.now() - started,
-      activeMs: Date.now() - started,
+      active: { from: started, to: Date.now() },
     });
     // Here "forwarded" means "would be forwarded"; every message read was given back.
     report.accounted =

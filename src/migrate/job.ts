@@ -8,9 +8,17 @@ import type { BridgeSettings } from '../config/settings.js';
 import type { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import type { RouteWatch } from '../observe/server.js';
-import { buildQueueReport, type QueueOutcome, type QueueReport } from './report.js';
+import {
+  type ActiveSpan,
+  buildQueueReport,
+  handledOf,
+  type QueueOutcome,
+  type QueueReport,
+} from './report.js';
 
 const POLL_MS = 100;
+/** While messages are in flight, the source depth (for progress and the ETA) is read this often. */
+const DEPTH_EVERY_MS = 1000;
 
 /** Shared by the queues of one job: why the job as a whole stops early, if it does. */
 export interface JobControl {
@@ -24,14 +32,32 @@ export interface JobControl {
   watch?: RouteWatch;
 }
 
-/** What progress displays read while a queue migrates. */
+/** What progress displays (and a report of a job cut short) read while a queue migrates. */
 export interface QueueProgress {
   sourceQueue: string;
   counters: RouteCounters;
-  /** Ready messages last seen in the source queue. */
+  /** Ready messages last seen in the source queue: read every second while messages are in flight. */
   depth: number | undefined;
+  /** Messages taken from the source and not yet acked or given back. */
+  inFlight: number;
+  /**
+   * Handled, in flight and ready in the source at the last depth read: the queue's whole, for the
+   * bar's total and what is left (it grows only when producers add messages).
+   */
+  total: number | undefined;
   startedAt: number;
+  /** When its bridge began consuming (0 before): its active time starts here. */
+  activeFrom: number;
+  /** When it last handled a message (forwarded, duplicate, parked, dead-lettered); 0 before. */
+  lastHandledAt: number;
   done: boolean;
+}
+
+/** When the queue was moving messages, or undefined while it has handled none. */
+export function activeSpanOf(item: QueueProgress, now = Date.now()): ActiveSpan | undefined {
+  if (item.activeFrom === 0 || handledOf(item.counters) === 0) return undefined;
+  // While it runs, the span reaches the last message handled; never before it began.
+  return { from: item.activeFrom, to: Math.min(now, Math.max(item.activeFrom, item.lastHandledAt)) };
 }
 
 export interface QueueResult {
@@ -62,6 +88,7 @@ export async function migrateQueue(
   const { pipeline, source } = bridge;
   control.watch?.add(bridge);
   progress.counters = pipeline.counters;
+  progress.activeFrom = Date.now();
   let failure: BridgeError | undefined;
   void bridge.failure.then((error) => {
     failure = error;
@@ -70,8 +97,22 @@ export async function migrateQueue(
   let outcome: QueueOutcome | undefined;
   let problem: string | undefined;
   let idleSince: number | undefined;
+  let depthReadAt = 0;
+  const follow = () => {
+    progress.inFlight = pipeline.heldCount;
+    if (handledOf(pipeline.counters) > 0) progress.lastHandledAt = pipeline.lastProgress;
+  };
+  const readDepth = async () => {
+    const depth = await source.depth();
+    depthReadAt = Date.now();
+    if (depth === undefined) return undefined;
+    progress.depth = depth;
+    progress.total = handledOf(pipeline.counters) + pipeline.heldCount + depth;
+    return depth;
+  };
   while (outcome === undefined) {
     await sleep(POLL_MS);
+    follow();
     const outage = bridge.outage();
     if (failure) {
       outcome = 'failed';
@@ -93,15 +134,19 @@ export async function migrateQueue(
         `${settings.sourceQueue}: ${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
         `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID, ${pipeline.counters.unforwardable} unforwardable); ` +
         'they stay in the source queue: fix the target binding, or use --park-queue or --on-unroutable dead-letter';
-    } else {
-      const depth = pipeline.heldCount === 0 ? await source.depth() : undefined;
-      if (depth !== undefined) progress.depth = depth;
+    } else if (pipeline.heldCount === 0) {
+      // Drained: the source is empty, nothing is in flight, and both stay so for the idle timeout.
+      const depth = await readDepth();
       if (depth === 0 && pipeline.heldCount === 0) {
         idleSince ??= Date.now();
         if (Date.now() - idleSince >= control.idleTimeoutMs) outcome = 'drained';
       } else {
         idleSince = undefined;
       }
+    } else {
+      idleSince = undefined;
+      // In flight: the depth only for progress and the ETA, on a timer (it cannot mean drained).
+      if (Date.now() - depthReadAt >= DEPTH_EVERY_MS) await readDepth();
     }
   }
 
@@ -113,13 +158,18 @@ export async function migrateQueue(
     );
   }
   await source.closeConsumer();
+  follow();
   const remaining = await settledDepth(bridge);
   progress.depth = remaining;
+  if (remaining !== undefined) progress.total = handledOf(pipeline.counters) + remaining;
   control.watch?.remove(bridge);
   await bridge.close().catch(() => {});
   let deleted = false;
   if (outcome === 'drained' && control.deleteSourceWhenEmpty) {
-    deleted = await deleteIfEmpty(settings, control.log);
+    const deletion = await deleteIfEmpty(settings, control.log);
+    deleted = deletion.deleted;
+    if (deletion.kept !== undefined)
+      problem = `${settings.sourceQueue}: drained, but not deleted: ${deletion.kept}`;
   }
   progress.done = true;
   const report = buildQueueReport({
@@ -128,8 +178,9 @@ export async function migrateQueue(
     counters: pipeline.counters,
     remaining,
     deleted,
+    problem,
     elapsedMs: Date.now() - started,
-    activeMs: pipeline.counters.consumed > 0 ? pipeline.lastProgress - started : Date.now() - started,
+    active: activeSpanOf(progress),
   });
   return { report, problem, failureCode: outcome === 'failed' ? (failure?.exitCode ?? 1) : undefined };
 }
@@ -150,10 +201,42 @@ async function settledDepth(bridge: Bridge): Promise<number | undefined> {
 }
 
 /**
- * Deletes the drained source queue, only if it is still empty (`if-empty`: RabbitMQ refuses with
- * PRECONDITION_FAILED when a producer added a message meanwhile). Returns whether it was deleted.
+ * One queue.delete on a connection of its own; the AMQP reply code it was refused with, if any. A
+ * refusal the broker sends as a connection error (540 NOT_IMPLEMENTED) is read from the connection.
  */
-async function deleteIfEmpty(settings: BridgeSettings, log: Logger): Promise<boolean> {
+async function deleteOnce(
+  settings: BridgeSettings,
+  log: Logger,
+  options: { ifEmpty: boolean; ifUnused?: boolean },
+): Promise<{ code: number | undefined; error: unknown } | undefined> {
+  const connection = await connectAmqp(settings.sourceUrl, {
+    side: 'source',
+    retryForMs: settings.retryForMs || 30_000,
+    log,
+    tls: settings.tls.source,
+  });
+  // A connection error's reason: amqplib rejects the pending call with "Channel ended" only.
+  let closedWith: unknown;
+  connection.on('error', (error: unknown) => {
+    closedWith = error;
+  });
+  try {
+    const channel = await connection.createChannel();
+    channel.on('error', () => {});
+    await channel.deleteQueue(settings.sourceQueue, options);
+    return undefined;
+  } catch (error) {
+    return { code: replyCodeOf(error) ?? replyCodeOf(closedWith), error };
+  } finally {
+    await connection.close().catch(() => {});
+  }
+}
+
+/** Ready messages and consumers of the source queue (a passive declare). */
+async function sourceQueueState(
+  settings: BridgeSettings,
+  log: Logger,
+): Promise<{ messageCount: number; consumerCount: number }> {
   const connection = await connectAmqp(settings.sourceUrl, {
     side: 'source',
     retryForMs: settings.retryForMs || 30_000,
@@ -163,18 +246,62 @@ async function deleteIfEmpty(settings: BridgeSettings, log: Logger): Promise<boo
   try {
     const channel = await connection.createChannel();
     channel.on('error', () => {});
-    // if-unused too: another consumer's unacked messages are not counted as "not empty".
-    await channel.deleteQueue(settings.sourceQueue, { ifEmpty: true, ifUnused: true });
-    log.info({ queue: settings.sourceQueue }, 'source queue drained and deleted');
-    return true;
-  } catch (error) {
-    const reason =
-      replyCodeOf(error) === 406
-        ? 'it is no longer empty, or another consumer uses it'
-        : String((error as Error).message);
-    log.warn({ queue: settings.sourceQueue, reason }, 'source queue not deleted');
-    return false;
+    return await channel.checkQueue(settings.sourceQueue);
   } finally {
     await connection.close().catch(() => {});
   }
+}
+
+const NOT_IMPLEMENTED = 540;
+
+/**
+ * Deletes the drained source queue, only if it is still empty (`if-empty`: RabbitMQ refuses with
+ * PRECONDITION_FAILED when a producer added a message meanwhile) and unused (`if-unused`: another
+ * consumer's unacked messages are not counted as "not empty"). RabbitMQ does not do `if-unused` on
+ * a quorum queue (it closes the connection with NOT_IMPLEMENTED): there, with no other consumer
+ * attached and nothing ready, `if-empty` alone; where the broker does neither on a quorum queue (3.x),
+ * the queue is kept, since deleting it unconditionally could drop a message published meanwhile.
+ * Returns whether it was deleted and, if not, why, in words.
+ */
+async function deleteIfEmpty(
+  settings: BridgeSettings,
+  log: Logger,
+): Promise<{ deleted: boolean; kept: string | undefined }> {
+  const queue = settings.sourceQueue;
+  const kept = (reason: string) => {
+    log.warn({ queue, reason }, 'source queue not deleted');
+    return { deleted: false, kept: reason };
+  };
+  const deleted = () => {
+    log.info({ queue }, 'source queue drained and deleted');
+    return { deleted: true, kept: undefined };
+  };
+  try {
+    const first = await deleteOnce(settings, log, { ifEmpty: true, ifUnused: true });
+    if (first === undefined) return deleted();
+    if (first.code === 406)
+      return kept('it is no longer empty, or another consumer uses it; the next run moves what is left');
+    if (first.code !== NOT_IMPLEMENTED) return kept(describeError(first.error));
+    // A quorum queue: no if-unused. Look first: another consumer could hold messages unacked.
+    const state = await sourceQueueState(settings, log);
+    if (state.consumerCount > 0) {
+      return kept(
+        `it is a quorum queue with ${state.consumerCount} other consumer(s) attached, which may hold messages unacked; stop them and run again`,
+      );
+    }
+    if (state.messageCount > 0) return kept('it is no longer empty; the next run moves what is left');
+    const second = await deleteOnce(settings, log, { ifEmpty: true });
+    if (second === undefined) return deleted();
+    if (second.code === 406) return kept('it is no longer empty; the next run moves what is left');
+    if (second.code !== NOT_IMPLEMENTED) return kept(describeError(second.error));
+    return kept(
+      'it is a quorum queue, and this RabbitMQ deletes quorum queues neither if-empty nor if-unused, so it cannot be deleted only while empty; it is drained: delete it yourself once no producer publishes to it',
+    );
+  } catch (error) {
+    return kept(describeError(error));
+  }
+}
+
+function describeError(error: unknown): string {
+  return error instanceof Error ? (error.message.split('\n')[0] ?? String(error)) : String(error);
 }

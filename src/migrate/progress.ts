@@ -1,6 +1,7 @@
 import cliProgress from 'cli-progress';
 import type { Logger } from '../observe/log.js';
-import type { QueueProgress } from './job.js';
+import { activeSpanOf, type QueueProgress } from './job.js';
+import { handledOf, rateOf as rateOver } from './report.js';
 
 export interface ProgressOptions {
   /** A live bar per queue on a terminal; otherwise one log line per interval. */
@@ -11,21 +12,27 @@ export interface ProgressOptions {
 }
 
 function handled(item: QueueProgress): number {
-  const c = item.counters;
-  return c.forwarded + c.duplicates + c.parked + c.deadLettered;
+  return handledOf(item.counters);
 }
 
+/** Messages handled per active second, as the report counts them (the idle wait not included). */
 function rateOf(item: QueueProgress): number {
-  const seconds = Math.max(1, Date.now() - item.startedAt) / 1000;
-  return Math.round(handled(item) / seconds);
+  const span = activeSpanOf(item);
+  return span ? rateOver(handled(item), span.to - span.from) : 0;
 }
 
-/** Time left at the current rate, from the source depth: "42s", "3m", or "?" before any rate. */
+/** What is left to move, in flight included: the whole as last read, less what was handled since. */
+function remainingOf(item: QueueProgress): number | undefined {
+  return item.total === undefined ? undefined : Math.max(0, item.total - handled(item));
+}
+
+/** Time left at the current rate, from what is left: "42s", "3m", or "?" before any rate. */
 function etaOf(item: QueueProgress): string {
-  if (item.done || item.depth === 0) return '0s';
+  const remaining = remainingOf(item);
+  if (item.done || remaining === 0) return '0s';
   const rate = rateOf(item);
-  if (!rate || item.depth === undefined) return '?';
-  const seconds = Math.ceil(item.depth / rate);
+  if (!rate || remaining === undefined) return '?';
+  const seconds = Math.ceil(remaining / rate);
   return seconds < 120 ? `${seconds}s` : `${Math.ceil(seconds / 60)}m`;
 }
 
@@ -43,7 +50,7 @@ export function showProgress(items: QueueProgress[], options: ProgressOptions): 
             forwarded: c.forwarded,
             duplicates: c.duplicates,
             inDoubt: c.inDoubt,
-            remaining: item.depth,
+            remaining: remainingOf(item),
             ratePerSecond: rateOf(item),
           },
           'progress',
@@ -71,8 +78,8 @@ export function showProgress(items: QueueProgress[], options: ProgressOptions): 
   const refresh = () => {
     for (const item of items) {
       const done = handled(item);
-      // The total is what we moved plus what the source still holds (it may grow while we run).
-      bar.get(item)?.setTotal(Math.max(1, done + (item.depth ?? 0)));
+      // The total is what we moved plus what is left (the source may grow while we run).
+      bar.get(item)?.setTotal(Math.max(1, item.total ?? done, done));
       const payload = { dups: item.counters.duplicates, rate: rateOf(item), etaText: etaOf(item) };
       bar.get(item)?.update(done, payload);
     }

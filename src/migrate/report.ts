@@ -2,7 +2,12 @@ import type { RouteCounters } from '../bridge/counters.js';
 import type { BridgeSettings } from '../config/settings.js';
 
 export type QueueOutcome = 'drained' | 'limit' | 'interrupted' | 'stalled' | 'failed' | 'dry-run';
-export type JobOutcome = QueueOutcome | 'partial';
+/**
+ * A job's outcome: its queues' when they agree, else `partial` (or `failed` when one failed); a job
+ * stopped before it moved anything is `refused` (exit 2: options, configuration, credentials, a
+ * missing queue), `locked` (exit 3: another run holds the job) or `failed` (exit 1).
+ */
+export type JobOutcome = QueueOutcome | 'partial' | 'refused' | 'locked';
 
 /** Counts of one queue's source messages by outcome. */
 export interface QueueReport {
@@ -33,9 +38,22 @@ export interface QueueReport {
   /** Ready messages left in the source queue at the end; null when it could not be read. */
   remaining: number | null;
   deleted: boolean;
+  /** Why the queue did not finish cleanly, or why a drained queue was not deleted; one line. */
+  problem: string | null;
   seconds: number;
-  /** Messages handled per second, until the last one (not the idle wait that proves the drain). */
+  /**
+   * Time spent moving messages: from when consuming began to the last message handled, without
+   * the connecting before it or the idle wait that proves the drain after it.
+   */
+  activeSeconds: number;
+  /** Messages handled (forwarded, duplicates, parked, dead-lettered) per active second. */
   ratePerSecond: number;
+}
+
+/** When a queue was moving messages: from when it began consuming to its last message handled. */
+export interface ActiveSpan {
+  from: number;
+  to: number;
 }
 
 const COUNTS = [
@@ -54,11 +72,21 @@ const COUNTS = [
   'consumed',
 ] as const;
 
-/** The `--report` JSON: the job's totals at the top level, and a row per queue. */
+/**
+ * The `--report` JSON, written on every exit: the job's totals at the top level, and a row per queue.
+ * The job's activeSeconds is the time any of its queues was active (their spans joined), so that a
+ * job of one queue has that queue's rate, and queues migrated one after another do not count the
+ * idle waits between them.
+ */
 export interface JobReport
-  extends Omit<QueueReport, 'sourceQueue' | 'targetQueue' | 'scope' | 'outcome' | 'deleted'> {
-  job: string;
+  extends Omit<QueueReport, 'sourceQueue' | 'targetQueue' | 'scope' | 'outcome' | 'deleted' | 'problem'> {
+  /** The job's name (its lock); null when the options were refused before it could be named. */
+  job: string | null;
   outcome: JobOutcome;
+  /** The process's exit code. */
+  exitCode: number;
+  /** The line printed on stderr when the job did not finish cleanly (its queues' lines joined), else null. */
+  problem: string | null;
   dryRun: boolean;
   queues: QueueReport[];
 }
@@ -69,13 +97,16 @@ export function buildQueueReport(input: {
   counters: RouteCounters;
   remaining: number | undefined;
   deleted: boolean;
+  problem?: string | undefined;
   elapsedMs: number;
-  activeMs: number;
+  /** When it was moving messages; undefined when it handled none. */
+  active: ActiveSpan | undefined;
 }): QueueReport {
   const { counters } = input;
   const seconds = Math.max(input.elapsedMs, 1) / 1000;
-  const handled = counters.forwarded + counters.duplicates + counters.parked + counters.deadLettered;
+  const handled = handledOf(counters);
   const settled = handled + counters.requeued + counters.returned;
+  const activeMs = spanLength(input.active === undefined ? [] : [input.active]);
   return {
     sourceQueue: input.settings.sourceQueue,
     targetQueue: input.settings.targetQueue ?? null,
@@ -97,41 +128,81 @@ export function buildQueueReport(input: {
     accounted: settled === counters.consumed,
     remaining: input.remaining ?? null,
     deleted: input.deleted,
+    problem: input.problem ?? null,
     seconds: round(seconds),
-    ratePerSecond: Math.round(handled / (Math.max(input.activeMs, 1) / 1000)),
+    activeSeconds: round(activeMs / 1000),
+    ratePerSecond: rateOf(handled, activeMs),
   };
+}
+
+/** Messages that left the source with an outcome: forwarded, duplicates, parked, dead-lettered. */
+export function handledOf(
+  counters: Pick<RouteCounters, 'forwarded' | 'duplicates' | 'parked' | 'deadLettered'>,
+): number {
+  return counters.forwarded + counters.duplicates + counters.parked + counters.deadLettered;
+}
+
+/** Messages per second over `activeMs`; 0 when nothing was handled. */
+export function rateOf(handled: number, activeMs: number): number {
+  return handled === 0 ? 0 : Math.round(handled / (Math.max(activeMs, 1) / 1000));
+}
+
+/** The time covered by the spans together, overlaps counted once. */
+export function spanLength(spans: readonly ActiveSpan[]): number {
+  let total = 0;
+  let end = Number.NEGATIVE_INFINITY;
+  for (const span of [...spans].sort((a, b) => a.from - b.from)) {
+    const from = Math.max(span.from, end);
+    if (span.to > from) total += span.to - from;
+    end = Math.max(end, span.to);
+  }
+  return total;
 }
 
 function round(seconds: number): number {
   return Math.round(seconds * 1000) / 1000;
 }
 
-export function buildJobReport(
-  job: string,
-  dryRun: boolean,
-  queues: QueueReport[],
-  elapsedMs: number,
-): JobReport {
+export function buildJobReport(input: {
+  job: string | null;
+  dryRun: boolean;
+  queues: QueueReport[];
+  elapsedMs: number;
+  /** When each queue was moving messages (those that handled any). */
+  active: ActiveSpan[];
+  exitCode: number;
+  /** Overrides the outcome the queues give (a job stopped before or outside its queues). */
+  outcome?: JobOutcome;
+  /** The job's own problem; default: its queues' joined. */
+  problem?: string;
+}): JobReport {
+  const { job, dryRun, queues, elapsedMs } = input;
   const totals = Object.fromEntries(
     COUNTS.map((name) => [name, queues.reduce((sum, queue) => sum + queue[name], 0)]),
   ) as Record<(typeof COUNTS)[number], number>;
   const outcomes = new Set(queues.map((queue) => queue.outcome));
   const outcome: JobOutcome =
-    outcomes.size === 1 ? (queues[0]?.outcome ?? 'drained') : outcomes.has('failed') ? 'failed' : 'partial';
-  const remaining = queues.some((queue) => queue.remaining === null)
-    ? null
-    : queues.reduce((sum, queue) => sum + (queue.remaining ?? 0), 0);
+    input.outcome ??
+    (outcomes.size === 1 ? (queues[0]?.outcome ?? 'drained') : outcomes.has('failed') ? 'failed' : 'partial');
+  const remaining =
+    queues.length === 0 || queues.some((queue) => queue.remaining === null)
+      ? null
+      : queues.reduce((sum, queue) => sum + (queue.remaining ?? 0), 0);
   const seconds = Math.max(elapsedMs, 1) / 1000;
-  const handled = totals.forwarded + totals.duplicates + totals.parked + totals.deadLettered;
+  const activeMs = spanLength(input.active);
+  const problems = queues.flatMap((queue) => (queue.problem === null ? [] : [queue.problem]));
   return {
     job,
     outcome,
+    exitCode: input.exitCode,
+    problem: input.problem ?? (problems.length > 0 ? problems.join('; ') : null),
     dryRun,
     ...totals,
     accounted: queues.every((queue) => queue.accounted),
     remaining,
     seconds: round(seconds),
-    ratePerSecond: Math.round(handled / seconds),
+    activeSeconds: round(activeMs / 1000),
+    ratePerSecond: rateOf(handledOf(totals), activeMs),
     queues,
   };
 }
@@ -144,6 +215,8 @@ const OUTCOME_TEXT: Record<JobOutcome, string> = {
   failed: 'failed',
   'dry-run': 'dry run (nothing moved)',
   partial: 'partly done',
+  refused: 'refused',
+  locked: 'another run holds the job',
 };
 
 /** The table printed on stderr at the end of a migration. */
@@ -177,6 +250,7 @@ export function formatJobReport(report: JobReport): string {
   const rows = report.queues.map((queue) =>
     row(`${queue.sourceQueue}${queue.deleted ? ' (deleted)' : ''}`, queue, queue.outcome),
   );
+  // msg/s is per active second (from consuming to the last message), for the rows and the total.
   if (report.queues.length > 1) rows.push(row('total', report, report.outcome));
   const widths = head.map((cell, i) => Math.max(cell.length, ...rows.map((r) => (r[i] as string).length)));
   const line = (cells: string[]) => cells.map((cell, i) => cell.padEnd(widths[i] as number)).join('  ');

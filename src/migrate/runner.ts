@@ -12,10 +12,16 @@ import { BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import type { RouteWatch } from '../observe/server.js';
 import { dryRunQueue } from './dry-run.js';
-import { type JobControl, migrateQueue, type QueueProgress, type QueueResult } from './job.js';
+import { activeSpanOf, type JobControl, migrateQueue, type QueueProgress, type QueueResult } from './job.js';
 import { JobLock } from './lock.js';
 import { showProgress } from './progress.js';
-import { buildJobReport, buildQueueReport, type JobReport, type QueueReport } from './report.js';
+import {
+  type ActiveSpan,
+  buildJobReport,
+  buildQueueReport,
+  type JobReport,
+  type QueueReport,
+} from './report.js';
 import { declareTargetQueues } from './topology.js';
 
 export interface JobResult {
@@ -23,6 +29,21 @@ export interface JobResult {
   exitCode: number;
   /** Lines for stderr, one per queue that did not finish cleanly. */
   problems: string[];
+}
+
+/**
+ * What a job shows of itself as it goes, so that a run ended by an error (outside any one queue)
+ * still gets a report of what its queues did until then: see stoppedJobReport.
+ */
+export interface JobContext {
+  /** The job's name, once the options are resolved. */
+  name?: string;
+  dryRun: boolean;
+  routes?: BridgeSettings[];
+  /** Each queue's progress, once the queues started moving. */
+  progress?: QueueProgress[];
+  /** Each queue's report, once it finished. */
+  finished?: (QueueReport | undefined)[];
 }
 
 /**
@@ -35,9 +56,12 @@ export async function runMigration(
   interrupt: Promise<unknown>,
   terminal: boolean,
   watch?: RouteWatch,
+  context: JobContext = { dryRun: settings.dryRun },
 ): Promise<JobResult> {
   const started = Date.now();
   const first = settings.routes[0] as BridgeSettings;
+  context.name = settings.jobName;
+  context.routes = settings.routes;
   const redis = await connectRedis(first.redisUrl, first.retryForMs, log, first.tls.redis);
   let lock: JobLock | undefined;
   try {
@@ -56,10 +80,21 @@ export async function runMigration(
 
     if (settings.dryRun) {
       const queues: QueueReport[] = [];
-      for (const route of settings.routes)
+      const active: ActiveSpan[] = [];
+      for (const route of settings.routes) {
+        const from = Date.now();
         queues.push(await dryRunQueue(route, redis, settings.maxMessages, log));
+        active.push({ from, to: Date.now() });
+      }
       return {
-        report: buildJobReport(settings.jobName, true, queues, Date.now() - started),
+        report: buildJobReport({
+          job: settings.jobName,
+          dryRun: true,
+          queues,
+          elapsedMs: Date.now() - started,
+          active,
+          exitCode: ExitCode.ok,
+        }),
         exitCode: ExitCode.ok,
         problems: [],
       };
@@ -88,9 +123,15 @@ export async function runMigration(
       sourceQueue: route.sourceQueue,
       counters: newCounters(),
       depth: undefined,
+      inFlight: 0,
+      total: undefined,
       startedAt: 0,
+      activeFrom: 0,
+      lastHandledAt: 0,
       done: false,
     }));
+    context.progress = progress;
+    context.finished = progress.map(() => undefined);
     const display = showProgress(progress, {
       terminal,
       quiet: settings.quiet,
@@ -102,27 +143,33 @@ export async function runMigration(
       results = await inParallel(settings.routes, settings.parallel, async (route, index) => {
         const item = progress[index] as QueueProgress;
         item.startedAt = Date.now();
+        let result: QueueResult;
         try {
-          return await migrateQueue(route, control, item);
+          result = await migrateQueue(route, control, item);
         } catch (error) {
           // This queue could not start (e.g. a server unreachable for --retry-for); the others go on.
           item.done = true;
-          return failedToStart(route, error, Date.now() - item.startedAt);
+          result = failedToStart(route, error, Date.now() - item.startedAt);
         }
+        if (context.finished) context.finished[index] = result.report;
+        return result;
       });
     } finally {
       display.stop();
       clearTimeout(deadline);
     }
-    const report = buildJobReport(
-      settings.jobName,
-      false,
-      results.map((result) => result.report),
-      Date.now() - started,
-    );
+    const exitCode = exitCodeOf(results);
+    const report = buildJobReport({
+      job: settings.jobName,
+      dryRun: false,
+      queues: results.map((result) => result.report),
+      elapsedMs: Date.now() - started,
+      active: progress.flatMap((item) => activeSpanOf(item) ?? []),
+      exitCode,
+    });
     return {
       report,
-      exitCode: exitCodeOf(results),
+      exitCode,
       problems: results.flatMap((result) => (result.problem ? [result.problem] : [])),
     };
   } finally {
@@ -138,13 +185,13 @@ function failedToStart(route: BridgeSettings, error: unknown, elapsedMs: number)
     counters: newCounters(),
     remaining: undefined,
     deleted: false,
+    problem: `${route.sourceQueue}: ${error instanceof Error ? error.message : String(error)}`,
     elapsedMs,
-    activeMs: elapsedMs,
+    active: undefined,
   });
-  const message = error instanceof Error ? error.message : String(error);
   return {
     report,
-    problem: `${route.sourceQueue}: ${message}`,
+    problem: report.problem ?? undefined,
     failureCode: error instanceof BridgeError ? error.exitCode : ExitCode.runtime,
   };
 }
@@ -207,6 +254,45 @@ function exitCodeOf(results: QueueResult[]): number {
   if (results.some((result) => ['limit', 'interrupted'].includes(result.report.outcome)) && left)
     return ExitCode.limit;
   return ExitCode.ok;
+}
+
+/**
+ * The report of a run ended by an error outside its queues (bad options, the job lock held, a
+ * server unreachable at start, an internal error): the outcome the exit code means, the error's
+ * line, and what each queue did until then (its counters so far, marked failed), if any moved.
+ */
+export function stoppedJobReport(
+  context: JobContext,
+  error: { exitCode: number; line: string },
+  elapsedMs: number,
+): JobReport {
+  const outcome =
+    error.exitCode === ExitCode.usage ? 'refused' : error.exitCode === ExitCode.locked ? 'locked' : 'failed';
+  const progress = context.progress ?? [];
+  const queues = progress.map(
+    (item, index) =>
+      context.finished?.[index] ??
+      buildQueueReport({
+        outcome: 'failed',
+        settings: context.routes?.[index] as BridgeSettings,
+        counters: item.counters,
+        remaining: item.depth,
+        deleted: false,
+        problem: `${item.sourceQueue}: ${item.startedAt === 0 ? 'not started' : 'cut short'}: ${error.line}`,
+        elapsedMs: item.startedAt === 0 ? 0 : Date.now() - item.startedAt,
+        active: activeSpanOf(item),
+      }),
+  );
+  return buildJobReport({
+    job: context.name ?? null,
+    dryRun: context.dryRun,
+    queues,
+    elapsedMs,
+    active: progress.flatMap((item) => activeSpanOf(item) ?? []),
+    exitCode: error.exitCode,
+    outcome,
+    problem: error.line,
+  });
 }
 
 export async function writeReport(path: string, report: JobReport): Promise<void> {

@@ -211,7 +211,13 @@ describe('migrate: the scheduled job', () => {
     expect(overlap.stderr).toMatch(
       /job "migrate-[0-9a-f]{12}" is already running \(held by .+ pid \d+ since \d{4}-/,
     );
-    expect(overlap.report).toBeUndefined();
+    // The report says so too: a scheduled run always leaves one.
+    expect(overlap.report).toMatchObject({
+      outcome: 'locked',
+      exitCode: 3,
+      problem: overlap.stderr.trim().replace(/^dedup-bridge: /, ''),
+      forwarded: 0,
+    });
 
     holder.signal('SIGKILL');
     await holder.done;
@@ -279,12 +285,13 @@ describe('migrate: the scheduled job', () => {
     await broker.close();
   });
 
-  it('shows a live bar per queue on a terminal', async () => {
+  it('shows a live bar per queue on a terminal, with what is left and an ETA while it moves', async () => {
     const { names } = await queuesWith(2, 300, 1000);
-    // `script` gives the CLI a pseudo-terminal, as an operator's shell would.
-    const command = [process.execPath, CLI, ...jobArgs(names, '--max-rate', '300', '--log-level', 'warn')]
+    // `script` gives the CLI a pseudo-terminal, as an operator's shell would; wide enough for the ETA.
+    const cli = [process.execPath, CLI, ...jobArgs(names, '--max-rate', '300', '--log-level', 'warn')]
       .map((part) => `'${part}'`)
       .join(' ');
+    const command = `stty cols 200; ${cli}`;
     const result = spawnSync('script', ['-qfec', command, '/dev/null'], {
       encoding: 'utf8',
       timeout: 60_000,
@@ -292,8 +299,24 @@ describe('migrate: the scheduled job', () => {
     expect(result.status).toBe(0);
     const escapes = new RegExp(`${String.fromCharCode(27)}\\[[0-9;?]*[A-Za-z]`, 'g');
     const screen = result.stdout.replace(escapes, '');
-    // Each queue: 300 messages and 1 resent; the line is cut at the terminal's 80 columns.
-    for (const name of names) expect(screen).toMatch(new RegExp(`${name} \\|█+\\| 301/301 moved · 1 du`));
+    // Each queue: 300 messages and 1 resent.
+    for (const name of names) {
+      expect(screen).toMatch(new RegExp(`${name} \\|█+\\| 301/301 moved · 1 dups · \\d+ msg/s · ETA 0s`));
+      // While it moves, the total is the whole queue (read from the source while messages are in
+      // flight), and the ETA is known.
+      const moving = [
+        ...screen.matchAll(
+          new RegExp(
+            `${name} \\|[█░]+\\| (\\d+)/(\\d+) moved · \\d+ dups · [1-9]\\d* msg/s · ETA (\\d+)s`,
+            'g',
+          ),
+        ),
+      ]
+        .map((match) => ({ done: Number(match[1]), total: Number(match[2]) }))
+        .filter((frame) => frame.done > 0 && frame.done < 301);
+      expect(moving.length, screen).toBeGreaterThan(0);
+      for (const frame of moving) expect(frame.total).toBe(301);
+    }
     expect(screen).toMatch(/total\s+drained\s+600/);
   });
 
