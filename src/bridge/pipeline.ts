@@ -11,6 +11,7 @@ import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
 import { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
+import { clip, PerMessageLog } from '../observe/per-message.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
 
@@ -62,6 +63,8 @@ interface Entry {
   idField: Buffer | undefined;
   /** The wire value of `_HQ_DUPL_ID` on the target, by which a return is matched to its publish. */
   matchKey: string;
+  /** The ID as the cache keys it (for log lines), when it has one. */
+  idText?: string;
   state: ClaimState | undefined;
   /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
   leading: boolean;
@@ -121,6 +124,8 @@ export class Pipeline {
   private readonly retryCounts = new Map<string, number>();
   private readonly suspectIds = new Set<string>();
   private ownRouteField: Buffer | undefined;
+  /** Lines about single messages, capped per kind and interval, their message text clipped. */
+  private readonly perMessage: PerMessageLog;
   private renewTimer: NodeJS.Timeout | undefined;
   private renewing = false;
   /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
@@ -138,7 +143,9 @@ export class Pipeline {
     private readonly target: TargetPublisher,
     private readonly cache: DedupCache,
     private readonly log: Logger,
-  ) {}
+  ) {
+    this.perMessage = new PerMessageLog(log);
+  }
 
   /** Starts consuming; `onFatal` is told of failures this pipeline cannot recover from. */
   async start(onFatal: (error: Error) => void): Promise<void> {
@@ -216,6 +223,7 @@ export class Pipeline {
       }
     }
     if (this.renewTimer) clearInterval(this.renewTimer);
+    this.perMessage.flush();
     // A source reconnect waiting to consume again must not wait any longer.
     for (const wake of this.idleWaiters.splice(0)) wake();
     return this.held;
@@ -262,8 +270,8 @@ export class Pipeline {
       // This route forwarded it before and the target routed it back into the source queue: as a
       // duplicate it would be acked and deleted. It is refused instead, loudly.
       this.counters.looped++;
-      this.log.error(
-        { route: this.settings.routeMark },
+      this.perMessage.error(
+        { ...this.named(message), route: this.settings.routeMark },
         'a message this route forwarded came back to its source queue: the target routes into the source (a loop); it is not acked',
       );
       this.track(
@@ -287,15 +295,15 @@ export class Pipeline {
     );
     if (rejected.length > 0) {
       this.counters.badIdHeader++;
-      this.log.warn(
-        { rejected, usedStrategy: id?.strategy ?? 'none' },
+      this.perMessage.warn(
+        { ...this.named(message), rejected, usedStrategy: id?.strategy ?? 'none' },
         'message has an ID header of a type that cannot be an ID; the next --id-from strategy decided',
       );
     }
     if (!id) {
       this.counters.noId++;
-      this.log.warn(
-        { strategies: this.settings.idFrom.length },
+      this.perMessage.warn(
+        { ...this.named(message), strategies: this.settings.idFrom.length },
         'message has no ID under any --id-from strategy; it is not forwarded',
       );
       this.track(this.handleFailure(blank, 'no-id'));
@@ -307,6 +315,7 @@ export class Pipeline {
       suspect: this.suspectIds.has(key) ? 1 : 0,
       key,
       idField: id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value),
+      idText: id.key,
       matchKey: id.value.toString('latin1'),
     };
     const waiting = this.inFlight.get(key);
@@ -510,6 +519,14 @@ export class Pipeline {
     return markField([...came, this.settings.routeMark].slice(-MAX_ROUTE_MARKS));
   }
 
+  /** What names a message in a log line: its ID (or message_id) and routing key, clipped. */
+  private named(message: ConsumeMessage, id?: string): Record<string, string> {
+    const named: Record<string, string> = { routingKey: clip(message.fields.routingKey) };
+    const shown = id ?? message.properties.messageId;
+    if (shown !== undefined) named.id = clip(String(shown));
+    return named;
+  }
+
   private rememberSuspect(key: string): void {
     this.suspectIds.delete(key);
     this.suspectIds.add(key);
@@ -576,7 +593,10 @@ export class Pipeline {
     if (why === 'unroutable') this.counters.unroutable++;
     if (why === 'nacked') this.counters.nacked++;
     if (why === 'unreadable' || why === 'unpublishable') this.counters.unforwardable++;
-    if (detail !== undefined) this.log.warn({ reason: why, detail }, `message refused: ${detail}`);
+    const named = this.named(entry.message, entry.idText);
+    if (detail !== undefined) {
+      this.perMessage.warn({ ...named, reason: why, detail }, `message refused: ${detail}`, `refused ${why}`);
+    }
     this.failuresSinceProgress++;
     const { onUnroutable, parkQueue } = this.settings;
     const reason = detail === undefined ? why : `${why}: ${detail}`;
@@ -584,16 +604,16 @@ export class Pipeline {
       if (await this.source.park(entry.message, reason)) {
         this.counters.parked++;
         this.progress();
-        this.log.warn({ reason: why, parkQueue }, 'message parked');
+        this.perMessage.warn({ ...named, reason: why, parkQueue }, 'message parked');
         this.settle(entry, () => this.source.ack(entry.message));
         return;
       }
-      this.log.warn({ parkQueue }, 'parking failed; the message goes back to the source');
+      this.perMessage.warn({ ...named, parkQueue }, 'parking failed; the message goes back to the source');
     } else if (onUnroutable === 'dead-letter') {
       this.counters.deadLettered++;
       this.progress();
-      this.log.warn(
-        { reason: why },
+      this.perMessage.warn(
+        { ...named, reason: why },
         "message rejected to the source queue's dead-letter exchange (RabbitMQ drops it if the queue has none)",
       );
       this.settle(entry, () => this.source.nack(entry.message, false));
@@ -607,8 +627,8 @@ export class Pipeline {
       this.settings.requeueDelay.initialMs,
       this.settings.requeueDelay.maxMs,
     );
-    this.log.warn(
-      { reason: why, attempt, delayMs: delay },
+    this.perMessage.warn(
+      { ...named, reason: why, attempt, delayMs: delay },
       'message not forwarded; it goes back to the source queue after a backoff',
     );
     this.waitingToRequeue++;
