@@ -79,8 +79,10 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     );
     const inspect = await tool('inspect', ids[0] as string, 'nope');
     expect(inspect.code).toBe(0);
-    expect(inspect.stdout).toMatch(new RegExp(`^${ids[0]}\\tcommitted · expires in [78]d \\d+h$`, 'm'));
-    expect(inspect.stdout).toMatch(/^nope\tunknown · expires in -$/m);
+    expect(inspect.stdout).toMatch(
+      new RegExp(`^${ids[0]}\\tkey ${ids[0]}\\tcommitted · expires in [78]d \\d+h$`, 'm'),
+    );
+    expect(inspect.stdout).toMatch(/^nope\tkey nope\tunknown$/m);
     const forget = await tool('cache', 'forget', ...ids.slice(0, 10), '--yes');
     expect(forget.stdout).toContain('forgot 10 of 10 ID(s)');
     expect((await tool('cache', 'stats')).stdout).toContain(': 990 committed IDs');
