@@ -2,9 +2,87 @@ import { createConnection, createServer, type Server, type Socket } from 'node:n
 
 export type ProxyMode = 'pass' | 'blackhole';
 
+/** One direction of one connection through a rate-limited link: its bytes waiting their turn. */
+interface Lane {
+  from: Socket;
+  to: Socket;
+  slices: Buffer[];
+  bytes: number;
+}
+
+/** Bytes a lane holds before the proxy stops reading its sender (as TCP's window would). */
+const LANE_HIGH_WATER = 64 * 1024;
+/** A rate-limited link passes bytes on in slices of at most this many. */
+const SLICE = 2048;
+
 /**
- * A TCP fault proxy between the bridge and one server: passes bytes through, delays them,
- * blackholes them (connections stay open and nothing arrives either way, as in a network partition;
+ * One direction of a slow line: carries at most `bytesPerSecond`, shared fairly by the
+ * connections on it (a slice from each lane in turn, so a handshake is not stuck behind another
+ * connection's backlog), each connection's bytes in order.
+ */
+class PacedLink {
+  private readonly active: Lane[] = [];
+  private timer: NodeJS.Timeout | undefined;
+  /** When the line may send its next slice (performance.now() ms). */
+  private nextAt = 0;
+
+  constructor(
+    private bytesPerSecond: number | undefined,
+    private readonly deliver: (to: Socket, chunk: Buffer) => void,
+  ) {}
+
+  setRate(bytesPerSecond: number | undefined): void {
+    this.bytesPerSecond = bytesPerSecond;
+    if (this.timer) clearTimeout(this.timer);
+    this.timer = undefined;
+    this.pump();
+  }
+
+  get limited(): boolean {
+    return this.bytesPerSecond !== undefined;
+  }
+
+  send(lane: Lane, chunk: Buffer): void {
+    for (let offset = 0; offset < chunk.length; offset += SLICE) {
+      lane.slices.push(chunk.subarray(offset, offset + SLICE));
+    }
+    lane.bytes += chunk.length;
+    if (lane.bytes > LANE_HIGH_WATER && !lane.from.isPaused()) lane.from.pause();
+    if (!this.active.includes(lane)) this.active.push(lane);
+    if (!this.timer) this.pump();
+  }
+
+  /** Forgets a lane whose connection closed. */
+  drop(lane: Lane): void {
+    lane.slices = [];
+    lane.bytes = 0;
+    const at = this.active.indexOf(lane);
+    if (at >= 0) this.active.splice(at, 1);
+  }
+
+  private pump = (): void => {
+    this.timer = undefined;
+    const now = performance.now();
+    // A line idle (or a loop that was busy) for a while does not send a burst to catch up.
+    if (this.nextAt < now - 20) this.nextAt = now - 20;
+    while (this.active.length > 0 && (this.bytesPerSecond === undefined || this.nextAt <= now)) {
+      const lane = this.active.shift() as Lane;
+      const slice = lane.slices.shift() as Buffer;
+      lane.bytes -= slice.length;
+      this.deliver(lane.to, slice);
+      if (lane.slices.length > 0) this.active.push(lane);
+      if (lane.bytes <= LANE_HIGH_WATER / 2 && lane.from.isPaused() && !lane.from.destroyed)
+        lane.from.resume();
+      if (this.bytesPerSecond !== undefined) this.nextAt += (slice.length / this.bytesPerSecond) * 1000;
+    }
+    if (this.active.length > 0) this.timer = setTimeout(this.pump, Math.max(1, this.nextAt - now));
+  };
+}
+
+/**
+ * A TCP fault proxy between the bridge and one server: passes bytes through, delays them, caps
+ * their rate (a slow line, shared by every connection through the proxy), blackholes them
+ * (connections stay open and nothing arrives either way, as in a network partition;
  * the bytes are held, as TCP would retransmit them, and flow again when the partition heals), or
  * resets every open connection on command. Listens on a free loopback port.
  */
@@ -15,6 +93,11 @@ export class FaultProxy {
   private held: [Socket, Buffer][] = [];
   private cutAfter: number | undefined;
   private delayMs = 0;
+  /** Each direction of the line: to the server (up) and back (down). */
+  private readonly links = {
+    up: new PacedLink(undefined, (to, chunk) => this.deliver(to, chunk)),
+    down: new PacedLink(undefined, (to, chunk) => this.deliver(to, chunk)),
+  };
   port = 0;
 
   constructor(
@@ -52,7 +135,11 @@ export class FaultProxy {
     const upstream = createConnection({ host: this.targetHost, port: this.targetPort });
     const pair: [Socket, Socket] = [client, upstream];
     this.pairs.add(pair);
+    const lanes: [PacedLink, Lane][] = [];
     const forward = (from: Socket, to: Socket) => {
+      const link = from === client ? this.links.up : this.links.down;
+      const lane: Lane = { from, to, slices: [], bytes: 0 };
+      lanes.push([link, lane]);
       from.on('data', (chunk: Buffer) => {
         if (from === client && this.cutAfter !== undefined) {
           // Pass exactly the bytes left before the cut, then reset the connection mid-stream.
@@ -64,17 +151,15 @@ export class FaultProxy {
             return;
           }
         }
-        if (this.mode === 'blackhole') {
-          this.held.push([to, chunk]);
-          return;
-        }
-        if (this.delayMs > 0) setTimeout(() => to.write(chunk), this.delayMs);
-        else to.write(chunk);
+        // Bytes still queued on the line go first, also after the cap was lifted.
+        if (link.limited || lane.slices.length > 0) link.send(lane, chunk);
+        else this.deliver(to, chunk);
       });
     };
     forward(client, upstream);
     forward(upstream, client);
     const close = () => {
+      for (const [link, lane] of lanes) link.drop(lane);
       this.pairs.delete(pair);
       client.destroy();
       upstream.destroy();
@@ -83,6 +168,17 @@ export class FaultProxy {
     upstream.on('error', close);
     client.on('close', close);
     upstream.on('close', close);
+  }
+
+  /** Sends a chunk on: held while blackholed, else after the delay, if any. */
+  private deliver(to: Socket, chunk: Buffer): void {
+    if (to.destroyed) return;
+    if (this.mode === 'blackhole') {
+      this.held.push([to, chunk]);
+      return;
+    }
+    if (this.delayMs > 0) setTimeout(() => !to.destroyed && to.write(chunk), this.delayMs);
+    else to.write(chunk);
   }
 
   /** pass: bytes flow; blackhole: bytes are dropped silently, connections stay open. */
@@ -100,6 +196,12 @@ export class FaultProxy {
 
   setDelay(ms: number): void {
     this.delayMs = ms;
+  }
+
+  /** Caps each direction of the line at `bytesPerSecond` (a slow line), or lifts the cap. */
+  setRate(bytesPerSecond: number | undefined): void {
+    this.links.up.setRate(bytesPerSecond);
+    this.links.down.setRate(bytesPerSecond);
   }
 
   /** Resets every open connection (the peers see ECONNRESET). */
