@@ -79,9 +79,12 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     }
   }
 
+  /**
+   * The bridge's evidence, counted on the target by `_HQ_DUPL_ID`. (afterConsumer is reported but
+   * is no evidence about the bridge: the idempotent consumer dedups whatever the bridge did.)
+   */
   function expectOnceAndOnlyOnce(result: ScenarioResult, faults: number): void {
     expect(result.lost, JSON.stringify(result)).toBe(0);
-    expect(result.afterConsumer, 'the idempotent consumer sees each ID once').toBe(0);
     expect(result.unexpected).toBe(0);
     expect(result.unflagged, 'every duplicate is flagged in-doubt').toBe(0);
     expect(result.duplicates).toBeLessThanOrEqual(faults * PREFETCH);

@@ -157,7 +157,10 @@ export interface ScenarioResult {
   unexpected: number;
   faults: number;
   seconds: number;
-  /** Extra handler calls when an idempotent consumer read the target: the application's view. */
+  /**
+   * Extra handler calls when an idempotent consumer read the target: the application's view. That
+   * consumer dedups whatever the bridge did, so this is reported, never evidence about the bridge.
+   */
   afterConsumer: number | undefined;
   note: string;
 }
