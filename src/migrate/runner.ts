@@ -266,8 +266,15 @@ export function stoppedJobReport(
   error: { exitCode: number; line: string },
   elapsedMs: number,
 ): JobReport {
+  // Exit 4 (or 0) from an error is a stop signal that came while a server was still awaited.
   const outcome =
-    error.exitCode === ExitCode.usage ? 'refused' : error.exitCode === ExitCode.locked ? 'locked' : 'failed';
+    error.exitCode === ExitCode.usage
+      ? 'refused'
+      : error.exitCode === ExitCode.locked
+        ? 'locked'
+        : error.exitCode === ExitCode.limit || error.exitCode === ExitCode.ok
+          ? 'interrupted'
+          : 'failed';
   const progress = context.progress ?? [];
   const queues = progress.map(
     (item, index) =>
