@@ -50,3 +50,13 @@ export class RuntimeFailure extends BridgeError {
     super(message, ExitCode.runtime, options);
   }
 }
+
+/**
+ * A stop signal came while a server was still being waited for: nothing was taken yet, and the
+ * work is left for the next run (exit 4 for migrate; `run` ends with 0).
+ */
+export class StopRequested extends BridgeError {
+  constructor(what: string) {
+    super(`stopped by a signal while waiting for ${what}; nothing was moved`, ExitCode.limit);
+  }
+}

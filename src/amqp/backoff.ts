@@ -11,3 +11,19 @@ export function sleep(ms: number): Promise<void> {
     timer.unref?.();
   });
 }
+
+/** Sleeps `ms`, or less when `stop` is aborted first. */
+export function sleepUnlessStopped(ms: number, stop: AbortSignal | undefined): Promise<void> {
+  if (!stop) return sleep(ms);
+  if (stop.aborted) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      stop.removeEventListener('abort', done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    timer.unref?.();
+    stop.addEventListener('abort', done);
+  });
+}

@@ -1,8 +1,9 @@
 import amqp, { type ChannelModel } from 'amqplib';
 import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
+import { StopRequested } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { backoffDelay, sleep } from './backoff.js';
+import { backoffDelay, sleepUnlessStopped } from './backoff.js';
 import { classifyConnectError, describe, unreachable } from './errors.js';
 import { AmqplibInternalsError, coalesceWrites, installLosslessReader } from './internals.js';
 
@@ -16,6 +17,8 @@ export interface ConnectOptions {
   log: Logger;
   /** Stop retrying when this returns true (the bridge is shutting down). */
   cancelled?: () => boolean;
+  /** A stop signal: the wait for the broker ends at once with StopRequested. */
+  stop?: AbortSignal;
 }
 
 export class ConnectCancelled extends Error {}
@@ -62,6 +65,7 @@ export async function connectAmqpAny(
       const fatal = classifyConnectError(error, where, options.side, vhostOf(url));
       if (fatal) throw fatal;
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
+      if (options.stop?.aborted) throw new StopRequested(`the ${options.side} broker`);
       const elapsed = Date.now() - started;
       if (options.retryForMs > 0 && elapsed >= options.retryForMs) {
         const all = urls.length > 1 ? `${options.side} broker at ${urls.map(redactUrl).join(', ')}` : where;
@@ -79,8 +83,9 @@ export async function connectAmqpAny(
         },
         urls.length > 1 ? `${where} not reachable; trying the next URL` : `${where} not reachable; retrying`,
       );
-      if (delay > 0) await sleep(delay);
+      if (delay > 0) await sleepUnlessStopped(delay, options.stop);
       if (options.cancelled?.()) throw new ConnectCancelled('connect cancelled');
+      if (options.stop?.aborted) throw new StopRequested(`the ${options.side} broker`);
     }
   }
 }

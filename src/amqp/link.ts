@@ -1,7 +1,7 @@
 import type { ChannelModel } from 'amqplib';
 import { redactUrl } from '../config/redact.js';
 import type { TlsFiles } from '../config/tls.js';
-import { BridgeError } from '../errors.js';
+import { BridgeError, StopRequested } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
 import { ConnectCancelled, connectAmqpAny, vhostOf } from './connect.js';
@@ -34,6 +34,8 @@ export interface LinkOptions {
   log: Logger;
   /** CA and client certificate for an amqps:// URL. */
   tls?: TlsFiles;
+  /** A stop signal: the first connect gives up at once (later outages are ended by close()). */
+  stop?: AbortSignal;
 }
 
 /**
@@ -87,6 +89,7 @@ export class AmqpLink {
       retryForMs,
       log: this.options.log,
       cancelled: () => this.closing,
+      stop: this.options.stop,
       tls: this.options.tls,
     });
     this.where = this.describeUrl(index);
@@ -144,7 +147,8 @@ export class AmqpLink {
           this.options.log.info({ side: this.options.side, attempt }, `${this.where}: connected again`);
           return;
         } catch (error) {
-          if (error instanceof ConnectCancelled || this.closing) return;
+          // Stopping: what is in flight goes back to the source with the connection.
+          if (error instanceof ConnectCancelled || error instanceof StopRequested || this.closing) return;
           if (error instanceof BridgeError) {
             this.onFatal(error);
             return;

@@ -55,6 +55,8 @@ export interface BridgeLimits {
   throttle?: (count: number) => Promise<void>;
   /** Test hook between confirms and commit. */
   afterConfirm?: () => void;
+  /** A stop signal: waiting for a server at start ends at once with StopRequested. */
+  stop?: AbortSignal;
 }
 
 export async function startBridge(
@@ -75,13 +77,25 @@ export async function startBridge(
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
     settings.sourceUrls,
-    { side: 'source', retryForMs: settings.retryForMs, log: routeLog, tls: settings.tls.source },
+    {
+      side: 'source',
+      retryForMs: settings.retryForMs,
+      log: routeLog,
+      tls: settings.tls.source,
+      stop: limits.stop,
+    },
     (connection) => source.attach(connection),
     () => source.detach(),
   );
   const targetLink = new AmqpLink(
     settings.targetUrls,
-    { side: 'target', retryForMs: settings.retryForMs, log: routeLog, tls: settings.tls.target },
+    {
+      side: 'target',
+      retryForMs: settings.retryForMs,
+      log: routeLog,
+      tls: settings.tls.target,
+      stop: limits.stop,
+    },
     (connection) => target.attach(connection),
     () => target.detach(),
   );
@@ -104,7 +118,13 @@ export async function startBridge(
     commitRedis?.disconnect();
   };
   try {
-    redis = await connectRedis(settings.redisUrl, settings.retryForMs, routeLog, settings.tls.redis);
+    redis = await connectRedis(
+      settings.redisUrl,
+      settings.retryForMs,
+      routeLog,
+      settings.tls.redis,
+      limits.stop,
+    );
     const waitReplicas = settings.redisWaitReplicas;
     if (waitReplicas > 0) {
       commitRedis = await connectRedis(

@@ -14,7 +14,7 @@ import {
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
-import { BridgeError, ConfigError, ExitCode, FatalConnectError } from '../errors.js';
+import { BridgeError, ConfigError, ExitCode, FatalConnectError, StopRequested } from '../errors.js';
 import { formatJobReport } from '../migrate/report.js';
 import { type JobContext, runMigration, stoppedJobReport, writeReport } from '../migrate/runner.js';
 import { createLogger, type Logger } from '../observe/log.js';
@@ -117,14 +117,21 @@ async function forwardUntilStopped(
   observer: ObserveServer | undefined,
 ): Promise<number> {
   const first = routes[0] as BridgeSettings;
-  await checkRedis(first, raw.strict === true, log);
+  // Signals from here on: a stop while a server is still awaited ends the run at once, exit 0.
   const signal = onStopSignal();
+  try {
+    await checkRedis(first, raw.strict === true, log, signal.stop);
+  } catch (error) {
+    if (!(error instanceof StopRequested)) throw error;
+    log.info({ waitingFor: error.message }, 'stopped while starting');
+    return ExitCode.ok;
+  }
   // Hidden test hook: die like a crash between a batch's confirms and its commit.
   const crash = raw.faultCrashAfterConfirm
     ? { afterConfirm: () => process.kill(process.pid, 'SIGKILL') }
     : {};
   const started: Bridge[] = [];
-  const starting = startRoutes(routes, log, crash, (bridge) => {
+  const starting = startRoutes(routes, log, { ...crash, stop: signal.stop }, (bridge) => {
     started.push(bridge);
     observer?.add(bridge);
   });
@@ -187,8 +194,8 @@ async function migrate(raw: MigrateRawOptions & { strict?: boolean }, context: J
     context.name = settings.jobName;
     const ttlWarnings = await sourceTtlWarnings(settings.routes, settings.sourceManagementUrl, log);
     warnOrRefuse(ttlWarnings, raw.strict === true, log);
-    await checkRedis(first, raw.strict === true, log);
     const signal = onStopSignal();
+    await checkRedis(first, raw.strict === true, log, signal.stop);
     const outcome = await runMigration(
       settings,
       log,
@@ -196,6 +203,7 @@ async function migrate(raw: MigrateRawOptions & { strict?: boolean }, context: J
       process.stderr.isTTY === true,
       observer,
       context,
+      signal.stop,
     );
     return { settings, outcome };
   } finally {
@@ -204,8 +212,13 @@ async function migrate(raw: MigrateRawOptions & { strict?: boolean }, context: J
 }
 
 /** Warns (or with --strict refuses) when the Redis cannot be trusted to remember IDs. */
-async function checkRedis(settings: BridgeSettings, strict: boolean, log: Logger): Promise<void> {
-  const redis = await connectRedis(settings.redisUrl, settings.retryForMs, log, settings.tls.redis);
+async function checkRedis(
+  settings: BridgeSettings,
+  strict: boolean,
+  log: Logger,
+  stop: AbortSignal,
+): Promise<void> {
+  const redis = await connectRedis(settings.redisUrl, settings.retryForMs, log, settings.tls.redis, stop);
   try {
     warnOrRefuse(await redisSafetyWarnings(redis), strict, log);
   } catch (error) {

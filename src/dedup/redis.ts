@@ -4,7 +4,7 @@ import { describe } from '../amqp/errors.js';
 import { passwordOf, redactSecrets } from '../config/redact.js';
 import { describeRedis, parseRedisUrl, type RedisTopology } from '../config/redis-url.js';
 import { redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
-import { FatalConnectError, UnavailableError } from '../errors.js';
+import { FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { masterNodes } from './slots.js';
 
@@ -79,6 +79,7 @@ export async function connectRedis(
   retryForMs: number,
   log: Logger,
   tls?: TlsFiles,
+  stop?: AbortSignal,
 ): Promise<RedisClient> {
   const topology = parseRedisUrl(url);
   const where = describeRedis(topology);
@@ -135,6 +136,13 @@ export async function connectRedis(
               );
             }, retryForMs)
           : undefined;
+      let said = false;
+      const onStop = () => {
+        clearTimeout(timer);
+        reject(new StopRequested(where));
+      };
+      if (stop?.aborted) onStop();
+      stop?.addEventListener('abort', onStop, { once: true });
       const onError = (error: Error) => {
         const tlsProblem = tlsFailure(error, 'redis');
         if (tlsProblem) {
@@ -143,6 +151,10 @@ export async function connectRedis(
         } else if (FATAL_REPLY.test(error.message)) {
           clearTimeout(timer);
           reject(new FatalConnectError(refusal(where, error, false)));
+        } else if (!said) {
+          // Once per wait, as for the brokers; the attempts after it at debug level.
+          said = true;
+          log.warn({ error: redactSecrets(describe(error), [secret]) }, `${where} not reachable; retrying`);
         }
       };
       redis.on('error', onError);
@@ -150,6 +162,7 @@ export async function connectRedis(
       redis.on('node error', onError);
       redis.once('ready', () => {
         clearTimeout(timer);
+        stop?.removeEventListener('abort', onStop);
         redis.off('error', onError);
         redis.off('node error', onError);
         resolve();

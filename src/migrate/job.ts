@@ -30,6 +30,8 @@ export interface JobControl {
   log: Logger;
   /** Told of each queue's bridge while it runs (--metrics-port). */
   watch?: RouteWatch;
+  /** A stop signal: a queue still waiting for a server gives up at once. */
+  stop?: AbortSignal;
 }
 
 /** What progress displays (and a report of a job cut short) read while a queue migrates. */
@@ -84,6 +86,7 @@ export async function migrateQueue(
   const bridge = await startBridge(settings, control.log, {
     budget: control.budget,
     throttle: control.throttle,
+    stop: control.stop,
   });
   const { pipeline, source } = bridge;
   control.watch?.add(bridge);

@@ -8,7 +8,7 @@ import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { newOwnerToken } from '../dedup/cache.js';
 import { connectRedis } from '../dedup/redis.js';
-import { BridgeError, ExitCode, RuntimeFailure } from '../errors.js';
+import { BridgeError, ExitCode, RuntimeFailure, StopRequested } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import type { RouteWatch } from '../observe/server.js';
 import { dryRunQueue } from './dry-run.js';
@@ -57,12 +57,13 @@ export async function runMigration(
   terminal: boolean,
   watch?: RouteWatch,
   context: JobContext = { dryRun: settings.dryRun },
+  stop?: AbortSignal,
 ): Promise<JobResult> {
   const started = Date.now();
   const first = settings.routes[0] as BridgeSettings;
   context.name = settings.jobName;
   context.routes = settings.routes;
-  const redis = await connectRedis(first.redisUrl, first.retryForMs, log, first.tls.redis);
+  const redis = await connectRedis(first.redisUrl, first.retryForMs, log, first.tls.redis, stop);
   let lock: JobLock | undefined;
   try {
     lock = await JobLock.acquire(
@@ -76,7 +77,7 @@ export async function runMigration(
     if (settings.declareTarget) {
       await declareTargetQueues(settings.routes, settings.sourceManagementUrl as string, log);
     }
-    await checkTopology(settings.routes, log);
+    await checkTopology(settings.routes, log, stop);
 
     if (settings.dryRun) {
       const queues: QueueReport[] = [];
@@ -108,6 +109,7 @@ export async function runMigration(
       deleteSourceWhenEmpty: settings.deleteSourceWhenEmpty,
       log,
       watch,
+      stop,
     };
     void interrupt.then(() => {
       control.stopReason ??= 'interrupted';
@@ -179,6 +181,19 @@ export async function runMigration(
 }
 
 function failedToStart(route: BridgeSettings, error: unknown, elapsedMs: number): QueueResult {
+  if (error instanceof StopRequested) {
+    // Stopped by a signal before this queue could start: nothing moved, the queue is left as it was.
+    const report = buildQueueReport({
+      outcome: 'interrupted',
+      settings: route,
+      counters: newCounters(),
+      remaining: undefined,
+      deleted: false,
+      elapsedMs,
+      active: undefined,
+    });
+    return { report, problem: undefined, failureCode: undefined };
+  }
   const report = buildQueueReport({
     outcome: 'failed',
     settings: route,
@@ -202,7 +217,7 @@ function bucketOf(rate: number): (count: number) => Promise<void> {
 }
 
 /** A missing source or target queue is an error before anything moves, for every route. */
-async function checkTopology(routes: BridgeSettings[], log: Logger): Promise<void> {
+async function checkTopology(routes: BridgeSettings[], log: Logger, stop?: AbortSignal): Promise<void> {
   const first = routes[0] as BridgeSettings;
   for (const side of ['source', 'target'] as const) {
     const url = side === 'source' ? first.sourceUrl : first.targetUrl;
@@ -211,6 +226,7 @@ async function checkTopology(routes: BridgeSettings[], log: Logger): Promise<voi
       retryForMs: first.retryForMs,
       log,
       tls: first.tls[side],
+      stop,
     });
     try {
       const where = `${side} broker at ${redactUrl(url)}`;
