@@ -1,6 +1,7 @@
 import { rmSync } from 'node:fs';
-import amqp from 'amqplib';
+import amqp, { type Channel, type ChannelModel } from 'amqplib';
 import { Redis } from 'ioredis';
+import type { RouteCounters } from '../../src/bridge/counters.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { FaultProxy } from '../harness/proxy.js';
 import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
@@ -13,9 +14,18 @@ export const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve
 export const randomBetween = (low: number, high: number) => low + Math.floor(Math.random() * (high - low));
 
 /**
+ * The link to the target carries at most this many bytes a second (each way, all connections
+ * together): about 500 of the suite's messages a second. A fault must land inside the transfer,
+ * and an unpaced transfer of thousands of messages over loopback can end before a broker has
+ * finished stopping; a slow line sets the pace whatever else the CPU is doing (a busier CPU only
+ * slows it further). The bridge and Shovel both publish through it.
+ */
+export const TARGET_LINK_BYTES_PER_S = 250_000;
+
+/**
  * Servers the chaos suite owns, so it may stop, kill and restart them: a source node (with the
  * Shovel plugin, for the comparison), a target node, a Redis with AOF and one without, and a
- * fault proxy in front of each.
+ * fault proxy in front of each; the one in front of the target is a slow line (above).
  */
 export class ChaosWorld {
   readonly source: RabbitNode;
@@ -50,6 +60,7 @@ export class ChaosWorld {
       redisVolatile: FaultProxy.forUrl(world.redisVolatile.url),
     };
     await Promise.all(Object.values(world.proxies).map((proxy) => proxy.start()));
+    world.proxies.target.setRate(TARGET_LINK_BYTES_PER_S);
     return world;
   }
 
@@ -63,6 +74,16 @@ export class ChaosWorld {
         ? this.proxies.redisVolatile.urlFor(this.redisVolatile.url)
         : this.proxies.redis.urlFor(this.redisAof.url),
     };
+  }
+
+  /** Sets the slow line's rate for one scenario; `undefined` puts back TARGET_LINK_BYTES_PER_S. */
+  paceTarget(bytesPerSecond = TARGET_LINK_BYTES_PER_S): void {
+    this.proxies.target.setRate(bytesPerSecond);
+  }
+
+  /** The target node's URL through the slow line, for Shovel's dest-uri. */
+  pacedTargetUrl(): string {
+    return this.proxies.target.urlFor(this.target.url);
   }
 
   async stop(): Promise<void> {
@@ -156,6 +177,8 @@ export interface ScenarioResult {
   unflagged: number;
   unexpected: number;
   faults: number;
+  /** Where each fault landed: the percentage of the messages on the target when it started. */
+  landed: number[];
   seconds: number;
   /**
    * Extra handler calls when an idempotent consumer read the target: the application's view. That
@@ -205,6 +228,7 @@ export function score(
     unflagged,
     unexpected,
     faults,
+    landed: [],
     seconds: Math.round((Date.now() - started) / 100) / 10,
     afterConsumer: undefined,
     note,
@@ -264,6 +288,7 @@ export function formatTable(results: ScenarioResult[]): string {
     'unexpected',
     'after consumer',
     'faults',
+    'landed at',
     's',
   ];
   const rows = results.map((r) => [
@@ -277,6 +302,7 @@ export function formatTable(results: ScenarioResult[]): string {
     String(r.unexpected),
     r.afterConsumer === undefined ? '-' : String(r.afterConsumer),
     String(r.faults),
+    formatLanded(r.landed),
     String(r.seconds),
   ]);
   const widths = head.map((h, i) => Math.max(h.length, ...rows.map((row) => (row[i] as string).length)));
@@ -334,6 +360,195 @@ export async function waitForTransfer(
     await sleep(250);
   }
   return false;
+}
+
+/**
+ * A queue's depth read cheaply: a passive declare (checkQueue) on one channel kept open, a few
+ * milliseconds a read where `rabbitmqctl list_queues` takes about a second. It counts the ready
+ * messages only (not those delivered and unacked), which on the target, where nothing consumes,
+ * is all of them. Reconnects on the next read after its node went away; -1 while it is down.
+ */
+export class DepthProbe {
+  private connection: ChannelModel | undefined;
+  /** The channel, or the promise of it while one is being opened (reads may come at once). */
+  private channel: Promise<Channel> | undefined;
+
+  constructor(private readonly url: string) {}
+
+  async depth(queue: string): Promise<number> {
+    try {
+      this.channel ??= this.open();
+      return (await (await this.channel).checkQueue(queue)).messageCount;
+    } catch {
+      this.drop();
+      return -1;
+    }
+  }
+
+  private async open(): Promise<Channel> {
+    if (!this.connection) {
+      const connection = await amqp.connect(this.url, { timeout: 2000 });
+      connection.on('error', () => {});
+      connection.on('close', () => {
+        if (this.connection === connection) this.drop();
+      });
+      this.connection = connection;
+    }
+    const channel = await this.connection.createChannel();
+    channel.on('error', () => {});
+    return channel;
+  }
+
+  /** Forgets the connection (gone, or its channel closed by a failed read) to open a new one. */
+  private drop(): void {
+    const connection = this.connection;
+    this.connection = undefined;
+    this.channel = undefined;
+    void connection?.close().catch(() => {});
+  }
+
+  async close(): Promise<void> {
+    const connection = this.connection;
+    this.connection = undefined;
+    this.channel = undefined;
+    await connection?.close().catch(() => {});
+  }
+}
+
+/**
+ * Reads a target queue's depth every `everyMs` for as long as a scenario runs, so that the moment a
+ * log line was written can be matched to how much of the transfer was done then.
+ */
+export class DepthWatch {
+  private readonly samples: { at: number; depth: number }[] = [];
+  private running = true;
+  private readonly loop: Promise<void>;
+
+  constructor(
+    private readonly probe: DepthProbe,
+    private readonly queue: string,
+    everyMs = 50,
+  ) {
+    this.loop = (async () => {
+      while (this.running) {
+        const at = Date.now();
+        const depth = await this.probe.depth(this.queue);
+        if (depth >= 0) this.samples.push({ at, depth });
+        await sleep(everyMs);
+      }
+    })();
+  }
+
+  /** The first depth read after `time`; undefined when there was none (the depth now, say). */
+  after(time: number): number | undefined {
+    return this.samples.find((sample) => sample.at > time)?.depth;
+  }
+
+  /** The depth read last at or before `time` (ms since the epoch); undefined before the first. */
+  at(time: number): number | undefined {
+    let found: number | undefined;
+    for (const sample of this.samples) {
+      if (sample.at > time) break;
+      found = sample.depth;
+    }
+    return found;
+  }
+
+  async stop(): Promise<void> {
+    this.running = false;
+    await this.loop;
+  }
+}
+
+/** A fault's landing counts when it started with this share of the transfer done, in percent. */
+export const LANDING_RANGE = { min: 5, max: 95 } as const;
+
+/** Messages on the target as a percentage of those sent, to one decimal. */
+export function percentOf(depth: number, total: number): number {
+  return Math.round((depth / total) * 1000) / 10;
+}
+
+/** "31%" for one fault, "12–64%" for several, "-" for none. */
+export function formatLanded(percents: number[]): string {
+  if (percents.length === 0) return '-';
+  const round = (value: number) => `${Math.round(value)}`;
+  const low = Math.min(...percents);
+  const high = Math.max(...percents);
+  return round(low) === round(high) ? `${round(low)}%` : `${round(low)}–${round(high)}%`;
+}
+
+/** Polls the probe until the queue holds at least `atLeast`; false when the time is up. */
+export async function untilDepth(
+  probe: DepthProbe,
+  queue: string,
+  atLeast: number,
+  timeoutMs = 120_000,
+): Promise<boolean> {
+  const deadline = Date.now() + timeoutMs;
+  while (Date.now() < deadline) {
+    if ((await probe.depth(queue)) >= atLeast) return true;
+    await sleep(10);
+  }
+  return false;
+}
+
+/** One JSON log line of the bridge (pino): `time` as ms since the epoch. */
+export interface LogLine {
+  time: number;
+  level: string;
+  msg: string;
+  [field: string]: unknown;
+}
+
+/** The bridge's JSON log lines in a process's output; other lines are skipped. */
+export function logLines(output: string): LogLine[] {
+  const lines: LogLine[] = [];
+  for (const text of output.split('\n')) {
+    if (!text.startsWith('{')) continue;
+    try {
+      const parsed = JSON.parse(text) as Record<string, unknown>;
+      if (typeof parsed.msg !== 'string') continue;
+      lines.push({
+        ...parsed,
+        msg: parsed.msg,
+        level: String(parsed.level),
+        time: Date.parse(String(parsed.time)),
+      });
+    } catch {
+      // not a log line
+    }
+  }
+  return lines;
+}
+
+/** What the bridge logs when it notices each kind of fault (src/amqp/link.ts, target.ts, pipeline.ts, dedup/redis.ts). */
+export const SEEN = {
+  /** The connection to `side` dropped: a broker stopped, a connection reset, a heartbeat missed. */
+  lost: (side: 'source' | 'target') => (line: LogLine) =>
+    line.side === side && line.msg.endsWith(': lost; reconnecting'),
+  /**
+   * Redis went away. Its calls wait for it (`maxRetriesPerRequest: null`), so the pipeline's own
+   * line, for a call that failed, shows only for other errors. The client logs the drop as a
+   * warning only when the connection ends with an error (a reset, a refused reconnect); a
+   * connection closed cleanly, and reconnects accepted and closed again (as by the fault proxy
+   * once Redis is gone), leave only the info line when it is back: "connected again".
+   */
+  redisDown: (line: LogLine) =>
+    /^Redis at .*: (connection error; reconnecting|connected again)$/.test(line.msg) ||
+    line.msg === 'Redis call failed; holding the messages unacked and retrying',
+  /** The target's resource alarm blocked publishing. */
+  blocked: (line: LogLine) => line.msg.endsWith(': blocked publishing (resource alarm); waiting'),
+};
+
+/** The counters a bridge process logged when SIGTERM stopped it (one route). */
+export function stoppedCounters(output: string): RouteCounters | undefined {
+  const line = logLines(output).find((entry) => entry.msg === 'stopped');
+  return line?.counters as RouteCounters | undefined;
+}
+
+/** Copies on the target that carry `x-dedup-in-doubt: true`, first copies included. */
+export function flaggedCopies(copies: Copy[]): number {
+  return copies.filter((copy) => copy.inDoubt).length;
 }
 
 export { CLI };
