@@ -35,6 +35,8 @@ const KILLS = FULL ? 20 : 4;
 const OUTAGE_MS = FULL ? 10_000 : 3_000;
 const PREFETCH = 500;
 const TRANSFER_TIMEOUT_MS = FULL ? 300_000 : 120_000;
+/** Per test: the full run's transfers take a minute or more at the slow line's pace (replicas: three). */
+const TEST_TIMEOUT_MS = FULL ? 900_000 : 240_000;
 /**
  * A single fault starts once this share of the messages (percent) is on the target, at random
  * between the two; at the suite's pace (TARGET_LINK_BYTES_PER_S) that leaves seconds of transfer
@@ -53,7 +55,9 @@ interface Landing {
   percent: number;
 }
 
-describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, () => {
+describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, {
+  timeout: TEST_TIMEOUT_MS,
+}, () => {
   let world: ChaosWorld;
   let probe: DepthProbe;
   beforeAll(async () => {
