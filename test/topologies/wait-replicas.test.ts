@@ -56,7 +56,7 @@ describe('--redis-wait-replicas under Sentinel, the replica cut off before its m
 
   const TOTAL = 3000;
 
-  it('without it: the IDs committed while the replica was cut off are forgotten, and a resend forwards them again unflagged', async () => {
+  it('without it: the IDs committed while the replica was cut off are forgotten, and a resend forwards them again (unflagged where their claims were forgotten too)', async () => {
     set = await ProxiedSentinelSet.start();
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const { ids, messages } = numbered(source, TOTAL);
