@@ -1,3 +1,4 @@
+import type { GetMessage } from 'amqplib';
 import type { OutgoingMessage } from '../helpers.js';
 
 /** The same command line with `--redis` pointing at another Redis (a Cluster or a Sentinel set). */
@@ -11,4 +12,29 @@ export function onRedis(args: string[], url: string): string[] {
 export function numbered(prefix: string, count: number): { ids: string[]; messages: OutgoingMessage[] } {
   const ids = Array.from({ length: count }, (_, index) => `${prefix}-${index}`);
   return { ids, messages: ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })) };
+}
+
+/**
+ * Extra copies on the target, counted from what arrived: each ID's first copy is the original,
+ * every other copy is a duplicate, flagged (`x-dedup-in-doubt`) or not.
+ */
+export function extraCopies(received: GetMessage[]): {
+  duplicated: number;
+  flagged: number;
+  unflagged: number;
+} {
+  const seen = new Set<string>();
+  let flagged = 0;
+  let unflagged = 0;
+  for (const message of received) {
+    const id = String(message.properties.headers?._HQ_DUPL_ID);
+    const inDoubt = message.properties.headers?.['x-dedup-in-doubt'] === true;
+    if (!seen.has(id)) {
+      seen.add(id);
+      continue;
+    }
+    if (inDoubt) flagged++;
+    else unflagged++;
+  }
+  return { duplicated: flagged + unflagged, flagged, unflagged };
 }
