@@ -15,7 +15,6 @@ import { clip, PerMessageLog } from '../observe/per-message.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
 
-
 const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value: true }));
 
 export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
