@@ -27,12 +27,77 @@ import { onStopSignal } from './signals.js';
 /** Runs the CLI and returns the exit code; it prints at most one line per error on stderr. */
 export async function main(argv: string[]): Promise<number> {
   const program = buildProgram();
+  let active: Command | undefined;
+  program.hook('preAction', (_program, actionCommand) => {
+    active = actionCommand;
+  });
   try {
     await program.parseAsync(argv);
     return exitCode;
   } catch (error) {
-    return reportError(error);
+    if (error instanceof CommanderError && error.code === 'commander.excessArguments') {
+      return reportError(strayArgument(program, argv));
+    }
+    return reportError(active ? namingVariable(active, error) : error);
   }
+}
+
+/** The deepest command that took operands: the one a stray argument was given to. */
+function parsedCommand(command: Command): Command | undefined {
+  for (const sub of command.commands) {
+    const found = parsedCommand(sub);
+    if (found) return found;
+  }
+  return command.parent && command.args.length > 0 ? command : undefined;
+}
+
+const UNIT = /^(ms|s|m|h|d|w)$/;
+
+/** A word no option took (commander says only "too many arguments"): name it, and the likely slip. */
+function strayArgument(program: Command, argv: string[]): ConfigError {
+  const command = parsedCommand(program);
+  const stray = command?.args[command.registeredArguments.length] ?? '';
+  const path: string[] = [];
+  for (let at = command; at?.parent; at = at.parent) path.unshift(at.name());
+  const name = path.join(' ') || 'dedup-bridge';
+  const index = argv.lastIndexOf(stray);
+  const value = argv[index - 1] ?? '';
+  const option = argv[index - 2] ?? '';
+  // `--idle-timeout 2 s`: the unit went apart from its number.
+  if (index >= 2 && option.startsWith('--') && !value.startsWith('-') && UNIT.test(stray)) {
+    return new ConfigError(
+      `unexpected argument "${stray}" after ${option} ${value}: a duration is one word; write ${option} ${value}${stray}`,
+    );
+  }
+  const previous = argv[index - 1]?.startsWith('-')
+    ? argv[index - 1]
+    : argv.slice(Math.max(0, index - 2), index).join(' ');
+  const after = index >= 1 && previous?.startsWith('-') ? ` (after ${previous})` : '';
+  const takes = command?.registeredArguments.length
+    ? `takes ${command.registeredArguments.map((argument) => `<${argument.name()}>`).join(' ')} only`
+    : 'takes no arguments, only options, each with one value';
+  return new ConfigError(
+    `unexpected argument "${stray}"${after}: ${name} ${takes}; remove it, or quote a value that has spaces`,
+  );
+}
+
+/**
+ * A refused value that came from an environment variable: the line names the variable first
+ * ("DEDUP_BRIDGE_LOG_LEVEL (--log-level): …"), since no flag was typed.
+ */
+function namingVariable(command: Command, error: unknown): unknown {
+  if (!(error instanceof ConfigError)) return error;
+  for (const option of command.options) {
+    if (!option.envVar || !option.long) continue;
+    if (command.getOptionValueSource(option.attributeName()) !== 'env') continue;
+    const prefix = new RegExp(`^${option.long}( \\(or ${option.envVar}\\))?: `);
+    if (prefix.test(error.message)) {
+      return new ConfigError(error.message.replace(prefix, `${option.envVar} (${option.long}): `), {
+        cause: error,
+      });
+    }
+  }
+  return error;
 }
 
 let exitCode: number = ExitCode.ok;

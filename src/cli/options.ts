@@ -95,7 +95,7 @@ export function addConfigOption(command: Command): Command {
 
 /** The options `run` and `migrate` share; defaults are filled in by config/settings, not here. */
 export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Command {
-  const retryDefault = mode === 'run' ? 'retry forever' : DEFAULTS.migrateRetryFor;
+  const retryDefault = mode === 'run' ? DEFAULTS.runRetryFor : DEFAULTS.migrateRetryFor;
   command
     .addOption(
       new Option(
@@ -137,7 +137,10 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
     .option('--lease <duration>', `claim lease, renewed while in flight (default ${DEFAULTS.lease})`)
     .option('--on-unroutable <policy>', 'requeue (default), dead-letter, or park (with --park-queue)')
     .option('--park-queue <name>', 'move unroutable messages to this queue on the source broker')
-    .option('--retry-for <duration>', `give up reaching a server after this long (default ${retryDefault})`)
+    .option(
+      '--retry-for <duration>',
+      `give up reaching a server after this long, or forever; not 0 (default ${retryDefault})`,
+    )
     .option(
       '--shutdown-timeout <duration>',
       `time to finish in-flight work on stop (default ${DEFAULTS.shutdownTimeout})`,

@@ -39,3 +39,27 @@ export function formatDuration(ms: number): string {
   if (ms % 1000 === 0) return `${ms / 1000}s`;
   return `${ms}ms`;
 }
+
+/** What --retry-for and a file's retryFor take besides a duration: retry until stopped. */
+export const FOREVER = 'forever';
+
+/**
+ * Parses --retry-for (or a file's retryFor): a duration, or `forever` (0 in the settings). A bare
+ * 0 is refused: it reads as "do not retry", which the bridge does not offer (a connect that fails
+ * once is retried at least for the budget given), and it used to mean "forever" silently.
+ */
+export function parseRetryFor(text: string, what: string): number {
+  if (text.trim().toLowerCase() === FOREVER) return 0;
+  const ms = parseDuration(text, what);
+  if (ms === 0) {
+    throw new ConfigError(
+      `${what}: 0 is not accepted (it would not mean "no retry"); give how long to keep trying a server, e.g. 1s or 60s, or ${FOREVER}`,
+    );
+  }
+  return ms;
+}
+
+/** A retry budget as --retry-for and a file's retryFor accept it back. */
+export function formatRetryFor(ms: number): string {
+  return ms === 0 ? FOREVER : formatDuration(ms);
+}

@@ -4,7 +4,7 @@ import { z } from 'zod';
 import { describeStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS } from '../observe/log.js';
-import { formatDuration, parseDuration } from './duration.js';
+import { FOREVER, formatDuration, formatRetryFor, parseDuration, parseRetryFor } from './duration.js';
 import { checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
 import {
@@ -77,14 +77,30 @@ function millis(text: string): number | undefined {
   }
 }
 
-const duration = z.string().superRefine((value, ctx) => {
-  if (millis(value) === undefined) {
-    ctx.addIssue({
-      code: 'custom',
-      message: `"${value}" is not a duration; use e.g. 500ms, 2s, 5m, 1h30m, 7d`,
-    });
-  }
-});
+// As the flags take them: "500ms", "2s", "1h30m", or a bare number of milliseconds (500 or "500").
+const duration = z
+  .union([z.number(), z.string()], { error: 'must be a duration, e.g. 500ms, 2s, 5m, 1h30m, 7d' })
+  .transform(String)
+  .superRefine((value, ctx) => {
+    if (millis(value) === undefined) {
+      ctx.addIssue({
+        code: 'custom',
+        message: `"${value}" is not a duration; use e.g. 500ms, 2s, 5m, 1h30m, 7d`,
+      });
+    }
+  });
+
+/** Like --retry-for: a duration, or `forever`; 0 is refused with the flag's reason. */
+const retryFor = z
+  .union([z.number(), z.string()], { error: `must be a duration, e.g. 60s, or ${FOREVER}` })
+  .transform(String)
+  .superRefine((value, ctx) => {
+    try {
+      parseRetryFor(value, '');
+    } catch (error) {
+      ctx.addIssue({ code: 'custom', message: (error as Error).message.replace(/^: /, '') });
+    }
+  });
 
 /** A YAML number or a string of digits, checked like the flag. */
 const whole = (min: number, max: number) =>
@@ -154,7 +170,7 @@ const fileSchema = z
       .strict()
       .optional(),
     defaults: z.object(routeSettings).strict().optional(),
-    retryFor: duration.optional(),
+    retryFor: retryFor.optional(),
     shutdownTimeout: duration.optional(),
     logLevel: z.enum(LOG_LEVELS, { error: `must be one of ${LOG_LEVELS.join(', ')}` }).optional(),
     routes: z.array(route).min(1, 'list at least one route'),
@@ -466,7 +482,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
       tls: file.redis?.tls,
     }),
     logLevel: first.logLevel,
-    retryFor: first.retryForMs === 0 ? 'forever' : formatDuration(first.retryForMs),
+    retryFor: formatRetryFor(first.retryForMs),
     shutdownTimeout: formatDuration(first.shutdownTimeoutMs),
     routes: routes.map((settings, index) => {
       const item = file.routes[index] as Route;

@@ -113,6 +113,13 @@ function wholeNumber(text: string, flag: string, min: number): number {
 
 /** Validates migrate's options: flags over the job file, one route per source queue. */
 export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings {
+  // One list of queues: a job file's, or the flags'. Mixed, a stray DEDUP_BRIDGE_SOURCE_QUEUE in
+  // a scheduled job's environment would silently add a queue to every run.
+  if (raw.jobFile !== undefined && raw.sourceQueue !== undefined && raw.sourceQueue.length > 0) {
+    throw new ConfigError(
+      `--source-queue: does not go with --job-file, which lists the queues; list them all in ${raw.jobFile}, or give them all as --source-queue`,
+    );
+  }
   const file = raw.jobFile ? readJobFile(raw.jobFile) : undefined;
   const mapped = new Map<string, string>();
   const queues: string[] = [];

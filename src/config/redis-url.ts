@@ -54,6 +54,10 @@ export function parseRedisUrl(url: string): RedisTopology {
       `${shown}: TLS to a Sentinel set or a Cluster is not supported; use ${scheme.replace('rediss', 'redis')}:// on a trusted network, or a single server over rediss://`,
     );
   }
+  // "localhost:6379" parses as a URL of scheme "localhost": say what is missing instead.
+  if (!url.includes('//')) {
+    throw new RedisUrlError(`${shown} has no scheme; add redis://, e.g. ${redactUrl(`redis://${url}`)}`);
+  }
   let parsed: URL;
   try {
     parsed = new URL(url);

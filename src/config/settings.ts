@@ -3,7 +3,7 @@ import type { UnroutablePolicy } from '../bridge/pipeline.js';
 import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
-import { parseDuration } from './duration.js';
+import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
 import { redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
@@ -23,7 +23,7 @@ export const DEFAULTS = {
   requeueDelay: '1s',
   requeueDelayMax: '30s',
   shutdownTimeout: '30s',
-  runRetryFor: '0',
+  runRetryFor: FOREVER,
   migrateRetryFor: '60s',
   idleTimeout: '2s',
   logLevel: 'info' as LogLevel,
@@ -128,6 +128,14 @@ const FLAG: Record<string, string> = {
 
 function urlWith(protocols: string[], example: string) {
   return z.string().superRefine((value, ctx) => {
+    // "localhost:5701" parses as a URL of scheme "localhost": say what is missing instead.
+    if (!value.includes('//')) {
+      ctx.addIssue({
+        code: 'custom',
+        message: `"${redactUrl(value)}" has no scheme; add ${protocols[0]}//, e.g. ${redactUrl(`${protocols[0]}//${value}`)}`,
+      });
+      return;
+    }
     let parsed: URL;
     try {
       parsed = new URL(value);
@@ -193,12 +201,18 @@ export const unroutablePolicy = z.enum(['requeue', 'dead-letter', 'park'], {
 export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
 /** The most replicas --redis-wait-replicas may ask for (a Redis master with more is unusual). */
 export const MAX_WAIT_REPLICAS = 64;
+/** A whole number from min to max; every refusal says the range. */
 export const count = (min: number, max: number) =>
   z
     .string()
-    .regex(/^\d+$/, 'must be a whole number')
+    .regex(/^\d+$/, `must be a whole number from ${min} to ${max}`)
     .transform(Number)
-    .pipe(z.number().min(min, `must be at least ${min}`).max(max, `must be at most ${max}`));
+    .pipe(
+      z
+        .number()
+        .min(min, `must be at least ${min} (a whole number from ${min} to ${max})`)
+        .max(max, `must be at most ${max} (a whole number from ${min} to ${max})`),
+    );
 
 const rawSchema = z
   .object({
@@ -363,7 +377,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
       initialMs: parseDuration(DEFAULTS.requeueDelay, 'requeue delay'),
       maxMs: parseDuration(DEFAULTS.requeueDelayMax, 'requeue delay'),
     },
-    retryForMs: parseDuration(
+    retryForMs: parseRetryFor(
       raw.retryFor ?? (mode === 'run' ? DEFAULTS.runRetryFor : DEFAULTS.migrateRetryFor),
       '--retry-for',
     ),

@@ -1,3 +1,6 @@
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { freePort } from '../harness/servers.js';
 import { type CliResult, depthOf, publishAll, queuePair, runCli, servers, uniqueName } from '../helpers.js';
@@ -204,7 +207,11 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
       2,
       /--source \(or DEDUP_BRIDGE_SOURCE\): is required/,
     );
-    expectOneLine(await runCli(args({ '--prefetch': 'many' })), 2, /--prefetch: must be a whole number/);
+    expectOneLine(
+      await runCli(args({ '--prefetch': 'many' })),
+      2,
+      /--prefetch: must be a whole number from 1 to 65535$/,
+    );
     expectOneLine(await runCli(['bogus-command']), 2, /unknown command 'bogus-command'/);
   });
 
@@ -221,5 +228,152 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     });
     expect(result.code).toBe(0);
     expect(result.stderr).toContain('drained');
+  });
+});
+
+describe('config and flags agree; each mistake is one line that names it (issue 17, item 6)', () => {
+  const tempFile = (name: string, text: string) => {
+    const path = join(mkdtempSync(join(tmpdir(), 'cli-errors-')), name);
+    writeFileSync(path, text);
+    return path;
+  };
+  const configText = (retryFor: string) => {
+    const { sourceUrl, targetUrl } = servers();
+    return `brokers:\n  a: { url: "${sourceUrl}" }\n  b: { url: "${targetUrl}" }\n${retryFor}routes:\n  - { name: r, source: { broker: a, queue: q }, target: { broker: b, queue: t }, lease: 20000 }\n`;
+  };
+
+  it('a number out of range says the range', async () => {
+    expectOneLine(
+      await runCli(args({ '--prefetch': '-5' })),
+      2,
+      /^dedup-bridge: --prefetch: must be a whole number from 1 to 65535$/,
+    );
+    expectOneLine(
+      await runCli(args({ '--batch-size': '0' })),
+      2,
+      /^dedup-bridge: --batch-size: must be at least 1 \(a whole number from 1 to 5000\)$/,
+    );
+  });
+
+  it('a URL without a scheme says to add it, password masked', async () => {
+    expectOneLine(
+      await runCli(args({ '--source': 'localhost:5701' })),
+      2,
+      /^dedup-bridge: --source \(or DEDUP_BRIDGE_SOURCE\): "localhost:5701" has no scheme; add amqp:\/\/, e.g\. amqp:\/\/localhost:5701$/,
+    );
+    expectOneLine(
+      await runCli(args({ '--redis': `u:${SECRET}@localhost:6379` })),
+      2,
+      /--redis \(or DEDUP_BRIDGE_REDIS\): ".*" has no scheme; add redis:\/\//,
+    );
+  });
+
+  it('--retry-for 0 is refused (it would not mean "no retry"); forever is taken', async () => {
+    for (const command of ['run', 'migrate']) {
+      expectOneLine(
+        await runCli([command, ...args({ '--retry-for': '0' }).slice(1)]),
+        2,
+        /^dedup-bridge: --retry-for: 0 is not accepted \(it would not mean "no retry"\); give how long to keep trying a server, e\.g\. 1s or 60s, or forever$/,
+      );
+    }
+    const { source, target } = await queuePair();
+    const forever = await runCli(
+      args({
+        '--source-queue': source,
+        '--target-queue': target,
+        '--retry-for': 'forever',
+        '--idle-timeout': '200ms',
+      }),
+    );
+    expect(forever.code, forever.stderr).toBe(0);
+  });
+
+  it('config check prints a retryFor the file accepts back; the file takes the flag forms and refuses 0', async () => {
+    const checked = await runCli(['config', 'check', tempFile('c.yaml', configText(''))]);
+    expect(checked.code, checked.stderr).toBe(0);
+    expect(checked.stdout).toMatch(/^retryFor: forever$/m);
+    expect(checked.stdout).toMatch(/^ {4}lease: 20s$/m);
+    for (const retryFor of ['forever', '90000', '90s']) {
+      const again = await runCli([
+        'config',
+        'check',
+        tempFile('c.yaml', configText(`retryFor: ${retryFor}\n`)),
+      ]);
+      expect(again.code, again.stderr).toBe(0);
+      expect(again.stdout).toMatch(
+        new RegExp(`^retryFor: ${retryFor === 'forever' ? 'forever' : '90s'}$`, 'm'),
+      );
+    }
+    expectOneLine(
+      await runCli(['config', 'check', tempFile('c.yaml', configText('retryFor: 0\n'))]),
+      2,
+      /c\.yaml: retryFor: 0 is not accepted \(it would not mean "no retry"\)/,
+    );
+  });
+
+  it('a stray argument is named; a duration split by a space says to write it as one word', async () => {
+    expectOneLine(
+      await runCli(args({}, 'extra')),
+      2,
+      /^dedup-bridge: unexpected argument "extra" \(after --redis \S+\): migrate takes no arguments, only options, each with one value; remove it, or quote a value that has spaces$/,
+    );
+    expectOneLine(
+      await runCli(args({ '--idle-timeout': '2' }, 's')),
+      2,
+      /^dedup-bridge: unexpected argument "s" after --idle-timeout 2: a duration is one word; write --idle-timeout 2s$/,
+    );
+    expectOneLine(
+      await runCli(['config', 'check', 'a.yaml', 'b.yaml']),
+      2,
+      /^dedup-bridge: unexpected argument "b\.yaml": config check takes <file> only/,
+    );
+  });
+
+  it('a value from an environment variable is refused naming the variable', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const base = [
+      'run',
+      '--source',
+      sourceUrl,
+      '--target',
+      targetUrl,
+      '--source-queue',
+      'q',
+      '--target-queue',
+      't',
+    ];
+    expectOneLine(
+      await runCli(base, { env: { DEDUP_BRIDGE_LOG_LEVEL: 'loud' } }),
+      2,
+      /^dedup-bridge: DEDUP_BRIDGE_LOG_LEVEL \(--log-level\): must be one of /,
+    );
+    expectOneLine(
+      await runCli(['run', '--target', targetUrl, '--source-queue', 'q', '--target-queue', 't'], {
+        env: { DEDUP_BRIDGE_SOURCE: 'localhost:5701' },
+      }),
+      2,
+      /^dedup-bridge: DEDUP_BRIDGE_SOURCE \(--source\): "localhost:5701" has no scheme/,
+    );
+    expectOneLine(
+      await runCli(base, { env: { DEDUP_BRIDGE_REDIS_WAIT_REPLICAS: 'all' } }),
+      2,
+      /^dedup-bridge: DEDUP_BRIDGE_REDIS_WAIT_REPLICAS \(--redis-wait-replicas\): must be a whole number from 0 to 64$/,
+    );
+  });
+
+  it('--job-file with --source-queue (flag or variable) is refused', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const job = tempFile('job.yaml', 'queues:\n  - a\n');
+    const base = ['migrate', '--job-file', job, '--source', sourceUrl, '--target', targetUrl];
+    expectOneLine(
+      await runCli([...base, '--source-queue', 'b']),
+      2,
+      /^dedup-bridge: --source-queue: does not go with --job-file, which lists the queues/,
+    );
+    expectOneLine(
+      await runCli(base, { env: { DEDUP_BRIDGE_SOURCE_QUEUE: 'b' } }),
+      2,
+      /^dedup-bridge: DEDUP_BRIDGE_SOURCE_QUEUE \(--source-queue\): does not go with --job-file/,
+    );
   });
 });

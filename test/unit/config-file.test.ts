@@ -372,12 +372,66 @@ describe('several broker URLs on the command line', () => {
 
   it('refuses a bad URL in the list, and nodes that log in as different users', () => {
     const bad = () => resolveBridgeSettings({ ...base, source: 'amqp://a:1,b:2', target: 'amqp://c' }, 'run');
-    expect(bad).toThrow(/^--source \(or DEDUP_BRIDGE_SOURCE\): "b:2" has scheme b/);
+    expect(bad).toThrow(
+      /^--source \(or DEDUP_BRIDGE_SOURCE\): "b:2" has no scheme; add amqp:\/\/, e.g. amqp:\/\/b:2$/,
+    );
     const users = () =>
       resolveBridgeSettings(
         { ...base, source: 'amqp://a', target: `amqp://u:${SECRET}@c,amqp://v:${SECRET}@d` },
         'run',
       );
     expect(users).toThrow('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
+  });
+});
+
+describe('the file takes what the flags take (issue 17, item 6)', () => {
+  it('durations as bare milliseconds (a YAML number or digits) or with a unit, as the flags do', () => {
+    const file = twoRoutes();
+    Object.assign(file, { retryFor: 90000, shutdownTimeout: '5000' });
+    Object.assign(file.defaults, { lease: 20000 });
+    const routes = loadConfigRoutes(configFile(file), {}, 'run');
+    expect(routes.map((route) => [route.retryForMs, route.shutdownTimeoutMs, route.leaseMs])).toEqual([
+      [90_000, 5000, 20_000],
+      [90_000, 5000, 20_000],
+    ]);
+  });
+
+  it('retryFor: forever is accepted, and what config check prints is accepted back', () => {
+    for (const retryFor of [undefined, 'forever', '2m', 1500]) {
+      const file = twoRoutes();
+      if (retryFor !== undefined) Object.assign(file, { retryFor });
+      const path = configFile(file);
+      const printed = describeConfig(loadConfigFile(path), loadConfigRoutes(path, {}, 'run')).retryFor;
+      const again = twoRoutes();
+      Object.assign(again, { retryFor: printed });
+      const back = loadConfigRoutes(configFile(again), {}, 'run');
+      expect(back[0]?.retryForMs).toBe(loadConfigRoutes(path, {}, 'run')[0]?.retryForMs);
+    }
+  });
+
+  it('retryFor: 0 is refused with the reason and the forms allowed, as --retry-for 0 is', () => {
+    for (const retryFor of [0, '0', '0s']) {
+      const file = twoRoutes();
+      Object.assign(file, { retryFor });
+      expect(loadError(configFile(file))).toMatch(
+        /: retryFor: 0 is not accepted \(it would not mean "no retry"\); give how long to keep trying a server, e\.g\. 1s or 60s, or forever$/,
+      );
+    }
+  });
+
+  it('a number out of range says the range', () => {
+    const file = twoRoutes();
+    Object.assign(file.defaults, { prefetch: -5 });
+    expect(loadError(configFile(file))).toMatch(
+      /defaults\.prefetch: must be a whole number from 1 to 65535$/,
+    );
+  });
+
+  it('a broker URL without a scheme says to add amqp://', () => {
+    const file = twoRoutes();
+    Object.assign(file.brokers, { new: { url: 'localhost:5701' } });
+    expect(loadError(configFile(file))).toMatch(
+      /brokers\.new\.url: "localhost:5701" has no scheme; add amqp:\/\//,
+    );
   });
 });

@@ -361,7 +361,7 @@ describe('resolveMigrateSettings', () => {
       ...MIGRATE,
       idleTimeout: '10s',
       report: '/tmp/report.json',
-      retryFor: '0',
+      retryFor: 'forever',
       maxMessages: '5',
       maxDuration: '1h',
       maxRate: '200',
@@ -511,7 +511,7 @@ describe('resolveBridgeSettings: validation', () => {
   });
 
   it.each([
-    ['source', '--source', 'localhost'],
+    ['source', '--source', 'amqp//localhost'],
     ['target', '--target', 'amqp://h.example:notaport/'],
     ['redis', '--redis', 'redis//missing-colon'],
   ] as const)('rejects %s that is not a URL (%s %j)', (field, flag, url) => {
@@ -590,5 +590,45 @@ describe('resolveBridgeSettings: validation', () => {
       expect(message).toMatch(/^--source\b/);
       expect(message).not.toContain(SECRET);
     });
+  });
+});
+
+describe('flags that agree with the file (issue 17, item 6)', () => {
+  const resolve = (raw: RawOptions) => resolveBridgeSettings({ ...VALID, ...raw } as RawOptions, 'migrate');
+
+  it('--retry-for takes a duration or forever, and refuses 0 saying why', () => {
+    expect(resolve({ retryFor: 'forever' }).retryForMs).toBe(0);
+    expect(resolve({ retryFor: '1500' }).retryForMs).toBe(1500);
+    expect(resolve({}).retryForMs).toBe(60_000);
+    expect(resolveBridgeSettings({ ...VALID } as RawOptions, 'run').retryForMs).toBe(0);
+    for (const retryFor of ['0', '0s', '0ms']) {
+      expect(configError(() => resolve({ retryFor })).message).toBe(
+        '--retry-for: 0 is not accepted (it would not mean "no retry"); give how long to keep trying a server, e.g. 1s or 60s, or forever',
+      );
+    }
+  });
+
+  it.each([
+    ['prefetch', '-5', '--prefetch: must be a whole number from 1 to 65535'],
+    ['prefetch', '0', '--prefetch: must be at least 1 (a whole number from 1 to 65535)'],
+    ['batchSize', '9999', '--batch-size: must be at most 5000 (a whole number from 1 to 5000)'],
+  ] as const)('a number out of range says the range: %s %s', (field, value, message) => {
+    expect(configError(() => resolve({ [field]: value })).message).toBe(message);
+  });
+
+  it('a URL without a scheme says to add it, password masked', () => {
+    expect(configError(() => resolve({ source: 'localhost:5701' })).message).toBe(
+      '--source (or DEDUP_BRIDGE_SOURCE): "localhost:5701" has no scheme; add amqp://, e.g. amqp://localhost:5701',
+    );
+    const message = configError(() => resolve({ redis: `u:${SECRET}@localhost:6379` })).message;
+    expect(message).toMatch(/^--redis \(or DEDUP_BRIDGE_REDIS\): ".*" has no scheme; add redis:\/\//);
+    expect(message).not.toContain(SECRET);
+  });
+
+  it('--job-file with --source-queue is refused', () => {
+    const message = configError(() =>
+      resolveMigrateSettings({ ...MIGRATE, jobFile: '/nonexistent/job.yaml' }),
+    ).message;
+    expect(message).toMatch(/^--source-queue: does not go with --job-file/);
   });
 });
