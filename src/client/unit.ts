@@ -8,7 +8,8 @@ export const UNIT_INDEX_HEADER = 'x-dedup-unit-index';
 export interface UnitMessage {
   exchange?: string;
   routingKey: string;
-  content: Buffer;
+  /** The body: bytes, or a string (sent as its UTF-8 bytes). */
+  content: Buffer | string;
   options?: Options.Publish;
 }
 
@@ -17,6 +18,9 @@ export interface UnitMessage {
  * `_HQ_DUPL_ID` `<unitId>:<i>` and the unit's size. Re-sending the unit with the same `unitId`
  * after a failure is always safe: the bridge drops the messages that already went through and
  * forwards the rest, so the target ends up with each message of the unit exactly once.
+ *
+ * `channel` must be a confirm channel (`connection.createConfirmChannel()`); a plain one is refused
+ * with a TypeError before anything is sent. A message's content is a Buffer, or a string sent as UTF-8.
  *
  * Not atomic: amqplib has no AMQP transactions, and confirms are per message. A consumer may see
  * part of a unit before the rest arrives; the size header lets it wait for the whole unit.
@@ -27,6 +31,19 @@ export async function publishUnit(
   options: { unitId: string },
 ): Promise<void> {
   if (!options.unitId) throw new TypeError('publishUnit: unitId must not be empty');
+  // Checked before anything is sent: a plain channel would publish the unit, then fail to confirm it.
+  if (typeof (channel as Partial<ConfirmChannel> | undefined)?.waitForConfirms !== 'function') {
+    throw new TypeError(
+      'publishUnit: needs a confirm channel (await connection.createConfirmChannel()), not a plain channel: it waits for the broker to confirm every message of the unit',
+    );
+  }
+  const bodies = messages.map((message, index) => {
+    if (Buffer.isBuffer(message.content)) return message.content;
+    if (typeof message.content === 'string') return Buffer.from(message.content, 'utf8');
+    throw new TypeError(
+      `publishUnit: messages[${index}].content must be a Buffer or a string, not ${message.content === null ? 'null' : typeof message.content}`,
+    );
+  });
   const size = messages.length;
   messages.forEach((message, index) => {
     const headers = {
@@ -36,7 +53,7 @@ export async function publishUnit(
       [UNIT_INDEX_HEADER]: index,
       [UNIT_SIZE_HEADER]: size,
     };
-    channel.publish(message.exchange ?? '', message.routingKey, message.content, {
+    channel.publish(message.exchange ?? '', message.routingKey, bodies[index] as Buffer, {
       ...message.options,
       headers,
     });

@@ -27,6 +27,11 @@ export interface QueueReport {
   requeued: number;
   returned: number;
   noId: number;
+  /**
+   * Messages with an ID header of a type that cannot be an ID (a table, a float…): skipped, and the
+   * next --id-from strategy decided. Not an outcome: each is also counted as what became of it.
+   */
+  badIdHeader: number;
   /** Messages that cannot be forwarded as they are (an unreadable header table, say). */
   unforwardable: number;
   /** Messages that came back to this route: the target routes into the source queue (a loop). */
@@ -67,6 +72,7 @@ const COUNTS = [
   'requeued',
   'returned',
   'noId',
+  'badIdHeader',
   'unforwardable',
   'looped',
   'consumed',
@@ -122,6 +128,7 @@ export function buildQueueReport(input: {
     requeued: counters.requeued,
     returned: counters.returned,
     noId: counters.noId,
+    badIdHeader: counters.badIdHeader,
     unforwardable: counters.unforwardable,
     looped: counters.looped,
     consumed: counters.consumed,

@@ -31,6 +31,11 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
   ['redelivered', 'redelivered_total', 'Deliveries the source broker marked as redelivered'],
   ['noId', 'no_id_total', 'Messages without an ID under any --id-from strategy'],
   [
+    'badIdHeader',
+    'bad_id_header_total',
+    'Messages with an ID header of a type that cannot be an ID (skipped: the next --id-from strategy decided)',
+  ],
+  [
     'looped',
     'looped_total',
     'Messages that came back to the route that forwarded them (the target routes into the source)',

@@ -377,3 +377,13 @@ describe('config and flags agree; each mistake is one line that names it (issue 
     );
   });
 });
+
+describe('the README matches (issue 17, item 8)', () => {
+  it('an empty --redis-prefix is refused, as the README now says', async () => {
+    expectOneLine(
+      await runCli(args({ '--redis-prefix': '' })),
+      2,
+      /^dedup-bridge: --redis-prefix: must be non-empty, without braces, colons or spaces$/,
+    );
+  });
+});

@@ -107,6 +107,48 @@ describe('the library: producers, units and the idempotent consumer', () => {
     expect(arrived.filter((m) => m.properties.headers?.[IN_DOUBT_HEADER] !== undefined)).toEqual([]);
   });
 
+  it('publishUnit takes string lines as UTF-8, and refuses a plain channel with one TypeError before sending (issue 17, item 8)', async () => {
+    const { sourceUrl } = servers();
+    const queue = uniqueName('unit-lines');
+    await declareQueue(sourceUrl, queue);
+    const lines = ['first line', 'zweite Zeile: äöü', 'третья'];
+    const unitId = `order-${newDedupId()}`;
+
+    // The README example, as written: strings for content, on a plain channel.
+    const connection = await amqp.connect(sourceUrl);
+    try {
+      const plain = await connection.createChannel();
+      const units = lines.map((line) => ({ routingKey: queue, content: line }));
+      const refused = await publishUnit(plain as never, units, { unitId }).catch((error: unknown) => error);
+      expect(refused).toBeInstanceOf(TypeError);
+      expect((refused as Error).message).toMatch(
+        /^publishUnit: needs a confirm channel \(await connection\.createConfirmChannel\(\)\)/,
+      );
+      expect(await depthOf(sourceUrl, queue), 'nothing sent on the plain channel').toBe(0);
+
+      const bad = await publishUnit(
+        await connection.createConfirmChannel(),
+        [{ routingKey: queue, content: 42 as never }],
+        { unitId },
+      ).catch((error: unknown) => error);
+      expect(bad).toBeInstanceOf(TypeError);
+      expect((bad as Error).message).toBe(
+        'publishUnit: messages[0].content must be a Buffer or a string, not number',
+      );
+
+      // On a confirm channel the strings go out as their UTF-8 bytes, each with its unit ID.
+      await publishUnit(await connection.createConfirmChannel(), units, { unitId });
+    } finally {
+      await connection.close();
+    }
+    const arrived = await takeAll(sourceUrl, queue);
+    expect(arrived.map((m) => m.content.toString('utf8'))).toEqual(lines);
+    expect(arrived.map((m) => m.properties.headers?._HQ_DUPL_ID)).toEqual(
+      lines.map((_, i) => `${unitId}:${i}`),
+    );
+    expect(arrived.every((m) => m.properties.headers?.[UNIT_SIZE_HEADER] === 3)).toBe(true);
+  });
+
   it('in-doubt copies from a bridge killed between confirm and commit reach the target twice, the handler once', async () => {
     const { sourceUrl, targetUrl } = servers();
     const source = uniqueName('doubt-src');

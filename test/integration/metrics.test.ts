@@ -7,6 +7,7 @@ import {
   idText,
   metricsUrl,
   migrateArgs,
+  migrateWithReport,
   type OutgoingMessage,
   publishAll,
   queuePair,
@@ -198,5 +199,54 @@ describe('metrics and health (--metrics-port)', () => {
     } finally {
       taken.close();
     }
+  });
+});
+
+describe('bad ID headers are counted where the README says (issue 17, item 8)', () => {
+  // A table and an array cannot be IDs: the next --id-from strategy (message-id) decides.
+  const badHeaders = (prefix: string) => [
+    { body: 'table', options: { messageId: `${prefix}-1`, headers: { _HQ_DUPL_ID: { nested: 'x' } } } },
+    { body: 'array', options: { messageId: `${prefix}-2`, headers: { _HQ_DUPL_ID: ['a', 'b'] } } },
+    { body: 'fine', options: { headers: { _HQ_DUPL_ID: `${prefix}-3` } } },
+  ];
+
+  it('run: dedup_bridge_bad_id_header_total counts them, and every message is forwarded', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const bridge = startCli([...runArgs(source, ['--target-queue', target]), '--metrics-port', '0']);
+    try {
+      const url = await metricsUrl(bridge);
+      await publishAll(sourceUrl, source, badHeaders('bad-metric'));
+      const route = { route: source };
+      let scrape = '';
+      const settled = await waitFor(async () => {
+        scrape = (await get(`${url}/metrics`)).body;
+        return sample(scrape, 'dedup_bridge_forwarded_total', route) === 3;
+      }, 30_000);
+      expect(settled, scrape).toBe(true);
+      expect(sample(scrape, 'dedup_bridge_bad_id_header_total', route)).toBe(2);
+      expect(sample(scrape, 'dedup_bridge_no_id_total', route)).toBe(0);
+      expect(scrape).toContain('# TYPE dedup_bridge_bad_id_header_total counter');
+      bridge.signal('SIGTERM');
+      expect((await bridge.done).code).toBe(0);
+      expect((await takeAll(targetUrl, target)).map((m) => m.content.toString()).sort()).toEqual([
+        'array',
+        'fine',
+        'table',
+      ]);
+    } finally {
+      bridge.signal('SIGKILL');
+    }
+  });
+
+  it('migrate: the report counts them per queue and in total', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    await publishAll(sourceUrl, source, badHeaders('bad-report'));
+    const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target]));
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: 3, badIdHeader: 2, noId: 0, accounted: true });
+    const queues = (run.report?.queues ?? []) as Record<string, unknown>[];
+    expect(queues[0]).toMatchObject({ badIdHeader: 2 });
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+    expect(await takeAll(targetUrl, target)).toHaveLength(3);
   });
 });
