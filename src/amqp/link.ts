@@ -1,7 +1,7 @@
 import type { ChannelModel } from 'amqplib';
 import { redactUrl } from '../config/redact.js';
 import type { TlsFiles } from '../config/tls.js';
-import { BridgeError, StopRequested } from '../errors.js';
+import { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { backoffDelay, sleep } from './backoff.js';
 import { ConnectCancelled, connectAmqpAny, vhostOf } from './connect.js';
@@ -80,16 +80,17 @@ export class AmqpLink {
 
   /** Connects for the first time; rejects with the operator's error when that fails. */
   async start(): Promise<void> {
-    await this.connectOnce(this.options.retryForMs);
+    await this.connectOnce(this.options.retryForMs, this.options.stop);
   }
 
-  private async connectOnce(retryForMs: number): Promise<void> {
+  /** `stop` only for the first connect: a later outage of a running bridge is ended by close(). */
+  private async connectOnce(retryForMs: number, stop?: AbortSignal): Promise<void> {
     const { connection, index } = await connectAmqpAny(this.urls, this.next, {
       side: this.options.side,
       retryForMs,
       log: this.options.log,
       cancelled: () => this.closing,
-      stop: this.options.stop,
+      stop,
       tls: this.options.tls,
     });
     this.where = this.describeUrl(index);
@@ -147,8 +148,7 @@ export class AmqpLink {
           this.options.log.info({ side: this.options.side, attempt }, `${this.where}: connected again`);
           return;
         } catch (error) {
-          // Stopping: what is in flight goes back to the source with the connection.
-          if (error instanceof ConnectCancelled || error instanceof StopRequested || this.closing) return;
+          if (error instanceof ConnectCancelled || this.closing) return;
           if (error instanceof BridgeError) {
             this.onFatal(error);
             return;

@@ -12,6 +12,9 @@ export interface Refusal {
   refusal?: string;
 }
 
+/** The reply code with which a broker closes a channel over one message it refuses. */
+const MESSAGE_REFUSED = 406;
+
 /** What the target said about one publish. */
 export type PublishOutcome =
   | 'confirmed' // stored (and routed) by the target
@@ -100,8 +103,11 @@ export class TargetPublisher {
     const flag: ChannelEnd = { closed: false, byServer: false };
     this.closedFlags.set(channel, flag);
     channel.on('error', (error: Error) => {
-      // The broker closes a channel with a reply code (e.g. 406 for a message over max_message_size).
-      if (replyCodeOf(error) !== undefined) flag.byServer = true;
+      // Only PRECONDITION_FAILED can be one message's doing (over max_message_size, a bad
+      // expiration, a user_id that is not ours): such a close makes the messages in flight suspects.
+      // Any other code (access refused, an exchange deleted) is about the route, never a message:
+      // those publishes are lost and go again, or the route stops.
+      if (replyCodeOf(error) === MESSAGE_REFUSED) flag.byServer = true;
       this.log.warn({ error: error.message }, `${name} error`);
       if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
     });

@@ -132,6 +132,7 @@ export async function startBridge(
         settings.retryForMs,
         routeLog.child({ connection: 'commits' }),
         settings.tls.redis,
+        limits.stop,
       );
     }
     cache = await DedupCache.open(redis, {
