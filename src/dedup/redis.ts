@@ -117,6 +117,13 @@ export async function connectRedis(
       if (FATAL_REPLY.test(error.message)) onLaterError(error);
     });
   }
+  // A connection closed without an error (Redis stopped, a proxy or balancer cut it): say so once,
+  // as for the brokers; commands wait meanwhile, so no call fails to say it.
+  redis.on('close', () => {
+    if (!connected || down) return;
+    down = true;
+    log.warn(`${where}: lost; reconnecting (messages wait unacked until it answers)`);
+  });
   redis.on('ready', () => {
     if (connected) log.info(`${where}: connected again`);
     down = false;

@@ -527,14 +527,12 @@ export const SEEN = {
   lost: (side: 'source' | 'target') => (line: LogLine) =>
     line.side === side && line.msg.endsWith(': lost; reconnecting'),
   /**
-   * Redis went away. Its calls wait for it (`maxRetriesPerRequest: null`), so the pipeline's own
-   * line, for a call that failed, shows only for other errors. The client logs the drop as a
-   * warning only when the connection ends with an error (a reset, a refused reconnect); a
-   * connection closed cleanly, and reconnects accepted and closed again (as by the fault proxy
-   * once Redis is gone), leave only the info line when it is back: "connected again".
+   * Redis went away: the client's one warning for the drop, whether the connection ended with an
+   * error (a reset) or closed cleanly (Redis stopped, the proxy cutting it); or the pipeline's own
+   * line, for a call that failed.
    */
   redisDown: (line: LogLine) =>
-    /^Redis at .*: (connection error; reconnecting|connected again)$/.test(line.msg) ||
+    /^Redis at .*: (lost; reconnecting.*|connection error; reconnecting)$/.test(line.msg) ||
     line.msg === 'Redis call failed; holding the messages unacked and retrying',
   /** The target's resource alarm blocked publishing. */
   blocked: (line: LogLine) => line.msg.endsWith(': blocked publishing (resource alarm); waiting'),
