@@ -1,7 +1,6 @@
 // The package's library surface: what the CLI uses, for programs that embed the bridge.
 export { type Bridge, startBridge } from './bridge/bridge.js';
 export type { RouteCounters } from './bridge/counters.js';
-export { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from './headers.js';
 export {
   createIdempotentConsumer,
   type HandlerContext,
@@ -28,3 +27,4 @@ export {
   RuntimeFailure,
   UnavailableError,
 } from './errors.js';
+export { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from './headers.js';
