@@ -118,8 +118,9 @@ export async function connectRedis(
     });
   }
   // A connection closed without an error (Redis stopped, a proxy or balancer cut it): say so once,
-  // as for the brokers; commands wait meanwhile, so no call fails to say it.
-  redis.on('close', () => {
+  // as for the brokers; commands wait meanwhile, so no call fails to say it. 'reconnecting' (not
+  // 'close'): a disconnect() of ours ends the client without it.
+  redis.on('reconnecting', () => {
     if (!connected || down) return;
     down = true;
     log.warn(`${where}: lost; reconnecting (messages wait unacked until it answers)`);
