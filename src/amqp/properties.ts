@@ -104,17 +104,19 @@ export class ContentHeader {
 
   /** The raw bytes of a shortstr property (without its length), or undefined when absent. */
   shortstrBytes(property: PropertyName): Buffer | undefined {
-    const span = this.at[indexOf(property)];
-    return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
+    return this.shortstrAt(indexOf(property));
   }
 
   get messageIdBytes(): Buffer | undefined {
-    const span = this.at[MESSAGE_ID];
-    return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
+    return this.shortstrAt(MESSAGE_ID);
   }
 
   get userIdBytes(): Buffer | undefined {
-    const span = this.at[USER_ID];
+    return this.shortstrAt(USER_ID);
+  }
+
+  private shortstrAt(index: number): Buffer | undefined {
+    const span = this.at[index];
     return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
   }
 

@@ -308,14 +308,13 @@ export class Pipeline {
       return;
     }
     const key = this.cache.keyOf(id.key);
-    const entry: Entry = {
-      ...blank,
-      suspect: this.suspectIds.has(key) ? 1 : 0,
-      key,
-      idField: id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value),
-      idText: id.key,
-      matchKey: id.value.toString('latin1'),
-    };
+    // The same entry, now with its ID (one object per message on the forwarding path).
+    const entry = blank;
+    entry.suspect = this.suspectIds.has(key) ? 1 : 0;
+    entry.key = key;
+    entry.idField = id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value);
+    entry.idText = id.key;
+    entry.matchKey = id.value.toString('latin1');
     const waiting = this.inFlight.get(key);
     if (waiting) {
       // A copy of this ID is already on its way: wait for its outcome, then claim.
