@@ -123,7 +123,8 @@ const FRAME_OVERHEAD = 8;
  */
 export function installLosslessReader(model: ChannelModel): void {
   checkAmqplib(model);
-  readLosslessly(connectionOf(model));
+  // The bridge's own connections: it reads the raw header only, so properties decode lazily.
+  readLosslessly(connectionOf(model), true);
 }
 
 /** The same, for the connection of a channel an application opened (the idempotent consumer). */
@@ -133,12 +134,12 @@ export function installLosslessReaderFor(channel: Channel): void {
   if (typeof connection?.recvFrame !== 'function' || connection.rest === undefined) {
     throw new AmqplibInternalsError('a channel has no connection.recvFrame');
   }
-  readLosslessly(connection);
+  readLosslessly(connection, false);
 }
 
 const LOSSLESS = Symbol('dedup-bridge.lossless-reader');
 
-function readLosslessly(connection: Connection): void {
+function readLosslessly(connection: Connection, lazy: boolean): void {
   const marked = connection as Connection & { [LOSSLESS]?: true };
   if (marked[LOSSLESS]) return;
   marked[LOSSLESS] = true;
@@ -161,7 +162,7 @@ function readLosslessly(connection: Connection): void {
           channel: frame.channel,
           size: Number(payload.readBigUInt64BE(4)),
           // A copy: the payload is a view of the whole socket read.
-          fields: propertiesFor(Buffer.from(payload.subarray(12))),
+          fields: propertiesFor(Buffer.from(payload.subarray(12)), lazy),
         };
       }
       const decoded = decodeFrame(frame);
@@ -175,6 +176,7 @@ const BASIC_DELIVER = (BASIC_CLASS << 16) | 60;
 const BASIC_GET_OK = (BASIC_CLASS << 16) | 71;
 const BASIC_RETURN = (BASIC_CLASS << 16) | 50;
 const ROUTING_BYTES = Symbol.for('dedup-bridge.routing-bytes');
+const NO_BYTES = Buffer.alloc(0);
 
 /** The exchange and routing key of a delivery as the broker sent them (amqplib decodes them as UTF-8). */
 export interface RoutingBytes {
@@ -185,9 +187,10 @@ export interface RoutingBytes {
 // Keeps the raw exchange and routing key of a deliver, get-ok or return on its decoded fields.
 function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Buffer): void {
   let p = 4;
+  // Views, not copies: the message's body is a view of the same socket read (amqplib's own).
   const shortstr = () => {
     const length = payload[p] as number;
-    const bytes = Buffer.from(payload.subarray(p + 1, p + 1 + length));
+    const bytes = length === 0 ? NO_BYTES : payload.subarray(p + 1, p + 1 + length);
     p += 1 + length;
     return bytes;
   };

@@ -149,36 +149,41 @@ export class ContentHeader {
     const out: Record<string, unknown> = {};
     if (this.flags === 0) return out as unknown as MessageProperties;
     BASIC_PROPERTIES.forEach(([name, kind], index) => {
-      const span = this.at[index];
-      if (!span) {
-        out[name] = undefined;
+      if (kind !== 'table' || !this.at[index]) {
+        out[name] = this.propertyAt(index);
         return;
       }
-      const [start, end] = span;
-      if (kind === 'shortstr') out[name] = this.bytes.toString('utf8', start + 1, end);
-      else if (kind === 'octet') out[name] = this.bytes[start];
-      else if (kind === 'longlong') out[name] = Number(this.bytes.readBigUInt64BE(start));
-      else {
-        let decoded: unknown;
-        let known = false;
-        Object.defineProperty(out, name, {
-          enumerable: true,
-          configurable: true,
-          get: () => {
-            if (!known) {
-              decoded = this.decodeForAmqplib(start + 4, end);
-              known = true;
-            }
-            return decoded;
-          },
-          set: (value: unknown) => {
-            decoded = value;
+      let decoded: unknown;
+      let known = false;
+      Object.defineProperty(out, name, {
+        enumerable: true,
+        configurable: true,
+        get: () => {
+          if (!known) {
+            decoded = this.propertyAt(index);
             known = true;
-          },
-        });
-      }
+          }
+          return decoded;
+        },
+        set: (value: unknown) => {
+          decoded = value;
+          known = true;
+        },
+      });
     });
     return out as unknown as MessageProperties;
+  }
+
+  /** One property as amqplib decodes it (undefined when absent). */
+  propertyAt(index: number): unknown {
+    const span = this.at[index];
+    if (!span) return undefined;
+    const [start, end] = span;
+    const kind = BASIC_PROPERTIES[index]?.[1];
+    if (kind === 'shortstr') return this.bytes.toString('utf8', start + 1, end);
+    if (kind === 'octet') return this.bytes[start];
+    if (kind === 'longlong') return Number(this.bytes.readBigUInt64BE(start));
+    return this.decodeForAmqplib(start + 4, end);
   }
 
   /**
@@ -250,22 +255,39 @@ function indexOf(property: PropertyName): number {
 /**
  * amqplib's properties for a message, with its raw content header attached (not enumerable). A
  * header that cannot be read gives empty properties, and the reason in place of the raw header:
- * the bridge refuses that message instead of losing its connection over it.
+ * the bridge refuses that message instead of losing its connection over it. `lazy` (the bridge's
+ * own connections, which read the raw header only): each property is decoded when first read, from
+ * getters on the prototype, so a message costs no decoding the bridge does not ask for; such an
+ * object has no own enumerable properties (not for spreading: applications get the eager form).
  */
-export function propertiesFor(bytes: Buffer): MessageProperties {
+export function propertiesFor(bytes: Buffer, lazy = false): MessageProperties {
   let raw: ContentHeader | string;
-  let properties: MessageProperties;
   try {
     raw = new ContentHeader(bytes);
-    properties = raw.toAmqplib();
   } catch (error) {
     if (!(error instanceof ContentHeaderError)) throw error;
     raw = error.message;
-    properties = {} as MessageProperties;
   }
+  if (lazy) return new LazyProperties(raw) as unknown as MessageProperties;
+  const properties = typeof raw === 'string' ? ({} as MessageProperties) : raw.toAmqplib();
   Object.defineProperty(properties, RAW_HEADER, { value: raw, enumerable: false });
   return properties;
 }
+
+class LazyProperties {
+  readonly [RAW_HEADER]: ContentHeader | string;
+  constructor(raw: ContentHeader | string) {
+    this[RAW_HEADER] = raw;
+  }
+}
+BASIC_PROPERTIES.forEach(([name], index) => {
+  Object.defineProperty(LazyProperties.prototype, name, {
+    get(this: LazyProperties) {
+      const raw = this[RAW_HEADER];
+      return typeof raw === 'string' ? undefined : raw.propertyAt(index);
+    },
+  });
+});
 
 /** The raw content header of a message read through a connection the bridge set up. */
 export function contentHeaderOf(properties: MessageProperties): ContentHeader {
