@@ -186,7 +186,9 @@ export class TargetPublisher {
     matchKey: string,
     note: Refusal = {},
   ): Promise<PublishOutcome> {
-    return new Promise((resolve) => this.send(exchange, routingKey, header, content, matchKey, note, resolve));
+    return new Promise((resolve) =>
+      this.send(exchange, routingKey, header, content, matchKey, note, resolve),
+    );
   }
 
   /**
