@@ -276,7 +276,8 @@ export function publishRaw(
   ) {
     throw new ChannelGoneError('channel or connection closed');
   }
-  const exchangeBytes = typeof exchange === 'string' ? Buffer.from(exchange, 'utf8') : exchange;
+  const exchangeBytes =
+    typeof exchange !== 'string' ? exchange : exchange === '' ? NO_BYTES : Buffer.from(exchange, 'utf8');
   const keyBytes = typeof routingKey === 'string' ? Buffer.from(routingKey, 'utf8') : routingKey;
   if (exchangeBytes.length > 255 || keyBytes.length > 255) {
     throw new UnpublishableError('exchange or routing key longer than 255 bytes');
@@ -309,7 +310,9 @@ export function publishRaw(
   p = frameStart(out, p, FRAME_HEADER, ch, headerPayload);
   p = out.writeUInt16BE(BASIC_CLASS, p);
   p = out.writeUInt16BE(0, p); // weight
-  p = out.writeBigUInt64BE(BigInt(content.length), p);
+  // The body size as two 32-bit halves (no BigInt per message).
+  p = out.writeUInt32BE(Math.floor(content.length / 0x1_0000_0000), p);
+  p = out.writeUInt32BE(content.length % 0x1_0000_0000, p);
   p += header.copy(out, p);
   p = out.writeUInt8(FRAME_END, p);
   const buffer = record.buffer;

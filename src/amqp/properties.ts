@@ -208,44 +208,50 @@ export class ContentHeader {
    */
   splice(edit: { remove: readonly string[]; append: readonly Buffer[]; dropUserId: boolean }): Buffer {
     const table = this.at[HEADERS];
-    const kept: Buffer[] = [];
-    if (this.fields) {
-      for (const span of this.fields) {
-        if (!edit.remove.includes(span.name)) kept.push(this.bytes.subarray(span.start, span.end));
+    // The table body's bytes that stay, as runs between removed fields (fields lie back to back).
+    const kept: [number, number][] = [];
+    let removed = 0;
+    if (table) {
+      let run = table[0] + 4;
+      for (const span of this.fields ?? []) {
+        if (!edit.remove.includes(span.name)) continue;
+        if (span.start > run) kept.push([run, span.start]);
+        run = span.end;
+        removed++;
       }
-    } else if (table) {
-      kept.push(this.bytes.subarray(table[0] + 4, table[1]));
+      if (table[1] > run) kept.push([run, table[1]]);
     }
-    const removed = this.fields ? this.fields.length - kept.length : 0;
     const dropUser = edit.dropUserId && this.at[USER_ID] !== undefined;
     if (removed === 0 && edit.append.length === 0 && !dropUser) return this.bytes;
-
-    const parts: Buffer[] = [];
     let flags = this.flags;
     if (dropUser) flags &= ~flagOf(USER_ID);
     const hasTable = table !== undefined || edit.append.length > 0;
     if (hasTable) flags |= flagOf(HEADERS);
-    const head = Buffer.alloc(2);
-    head.writeUInt16BE(flags, 0);
-    parts.push(head);
-    BASIC_PROPERTIES.forEach((_, index) => {
+    let body = 0;
+    for (const [from, to] of kept) body += to - from;
+    for (const field of edit.append) body += field.length;
+    let size = 2 + (hasTable ? 4 + body : 0);
+    this.at.forEach((span, index) => {
+      if (span && index !== HEADERS && !(index === USER_ID && dropUser)) size += span[1] - span[0];
+    });
+    // Written once into a buffer of its size (no list of parts to concatenate).
+    const out = Buffer.allocUnsafe(size);
+    let p = out.writeUInt16BE(flags, 0);
+    for (let index = 0; index < BASIC_PROPERTIES.length; index++) {
       const span = this.at[index];
       if (index === HEADERS) {
-        if (!hasTable) return;
-        const body = [...kept, ...edit.append];
-        const length = Buffer.alloc(4);
-        length.writeUInt32BE(
-          body.reduce((sum, part) => sum + part.length, 0),
-          0,
-        );
-        parts.push(length, ...body);
-        return;
+        if (!hasTable) continue;
+        p = out.writeUInt32BE(body, p);
+        for (const [from, to] of kept) p += this.bytes.copy(out, p, from, to);
+        for (const field of edit.append) p += field.copy(out, p);
+        continue;
       }
-      if (!span || (index === USER_ID && dropUser)) return;
-      parts.push(this.bytes.subarray(span[0], span[1]));
-    });
-    return Buffer.concat(parts);
+      if (!span || (index === USER_ID && dropUser)) continue;
+      p += this.bytes.copy(out, p, span[0], span[1]);
+    }
+    return out;
   }
+
 }
 
 function indexOf(property: PropertyName): number {
