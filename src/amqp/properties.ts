@@ -251,7 +251,6 @@ export class ContentHeader {
     }
     return out;
   }
-
 }
 
 function indexOf(property: PropertyName): number {
