@@ -165,6 +165,11 @@ function readLosslessly(connection: Connection, lazy: boolean): void {
           fields: propertiesFor(Buffer.from(payload.subarray(12)), lazy),
         };
       }
+      if (frame.type === FRAME_BODY && payload.length * 4 < payload.buffer.byteLength) {
+        // A body is a view of the socket read it came in, which holds many messages: kept as a
+        // view, one message in flight would keep the whole read alive (tens of MB at prefetch 500).
+        return { channel: frame.channel, content: Buffer.from(payload) };
+      }
       const decoded = decodeFrame(frame);
       if (frame.type === FRAME_METHOD) keepRoutingBytes(decoded as { id?: number; fields?: object }, payload);
       return decoded;
@@ -187,10 +192,10 @@ export interface RoutingBytes {
 // Keeps the raw exchange and routing key of a deliver, get-ok or return on its decoded fields.
 function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Buffer): void {
   let p = 4;
-  // Views, not copies: the message's body is a view of the same socket read (amqplib's own).
+  // Copies (a view would keep the whole socket read alive), and none for an empty name.
   const shortstr = () => {
     const length = payload[p] as number;
-    const bytes = length === 0 ? NO_BYTES : payload.subarray(p + 1, p + 1 + length);
+    const bytes = length === 0 ? NO_BYTES : Buffer.from(payload.subarray(p + 1, p + 1 + length));
     p += 1 + length;
     return bytes;
   };
