@@ -6,7 +6,7 @@ import { routingBytesOf } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
-import type { ClaimState, DedupCache } from '../dedup/cache.js';
+import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
 import { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
@@ -86,6 +86,8 @@ const REDIS_NO_PERMISSION = /NOPERM|can't run this command/;
 
 // Claim calls out at once; the messages that arrive meanwhile wait and go as the next batch.
 const MAX_CLAIMS_OUT = 2;
+// The most IDs one commit call takes (a Redis script blocks the server while it runs).
+const MAX_COMMIT_IDS = 1000;
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
@@ -117,6 +119,13 @@ export class Pipeline {
   private flushScheduled = false;
   /** Claim calls sent and not yet answered (see flush). */
   private claimsOut = 0;
+  /** Confirmed batches waiting for the commit call out to come back (see commitSoon). */
+  private readonly commitQueue: {
+    keys: string[];
+    resolve: (results: CommitResult[]) => void;
+    reject: (error: unknown) => void;
+  }[] = [];
+  private committing = false;
   /** IDs in flight in this process → copies of the same ID waiting for its outcome. */
   private readonly inFlight = new Map<string, Entry[]>();
   /** Entries holding a claim that is not yet committed or released (their leases are renewed). */
@@ -421,9 +430,7 @@ export class Pipeline {
     if (confirmed.length > 0) {
       this.settings.afterConfirm?.();
       const commitStarted = performance.now();
-      const results = await this.redis('commit', () =>
-        this.cache.commit(confirmed.map((entry) => entry.key as string)),
-      );
+      const results = await this.commitSoon(confirmed.map((entry) => entry.key as string));
       this.onLatency('commit', secondsSince(commitStarted), confirmed.length);
       confirmed.forEach((entry, index) => {
         this.claimed.delete(entry);
@@ -762,6 +769,47 @@ export class Pipeline {
       .finally(() => {
         this.renewing = false;
       });
+  }
+
+  /**
+   * Commits the keys with the next commit call. One call is out at a time: the batches confirmed
+   * meanwhile go together in the next, so a busy bridge makes one commit call for several batches.
+   */
+  private commitSoon(keys: string[]): Promise<CommitResult[]> {
+    return new Promise((resolve, reject) => {
+      this.commitQueue.push({ keys, resolve, reject });
+      if (!this.committing) void this.drainCommits();
+    });
+  }
+
+  private async drainCommits(): Promise<void> {
+    this.committing = true;
+    try {
+      while (this.commitQueue.length > 0) {
+        let count = 1;
+        let size = this.commitQueue[0]?.keys.length ?? 0;
+        for (const next of this.commitQueue.slice(1)) {
+          if (size + next.keys.length > MAX_COMMIT_IDS) break;
+          size += next.keys.length;
+          count++;
+        }
+        const group = this.commitQueue.splice(0, count);
+        try {
+          const results = await this.redis('commit', () =>
+            this.cache.commit(group.flatMap((item) => item.keys)),
+          );
+          let at = 0;
+          for (const item of group) {
+            item.resolve(results.slice(at, at + item.keys.length));
+            at += item.keys.length;
+          }
+        } catch (error) {
+          for (const item of group) item.reject(error);
+        }
+      }
+    } finally {
+      this.committing = false;
+    }
   }
 
   /** Runs a cache call until it succeeds: a message never moves on without its claim or commit. */
