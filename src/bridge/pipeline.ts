@@ -731,7 +731,7 @@ export class Pipeline {
         // The Redis user lacks a command the bridge needs: retrying cannot fix that.
         if (REDIS_NO_PERMISSION.test(describe(error))) {
           throw new FatalConnectError(
-            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that README's Least privilege section lists`,
+            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that docs/security.md, Least privilege, lists`,
           );
         }
         // One line per outage, not one per batch in flight.
