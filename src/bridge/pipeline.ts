@@ -156,10 +156,10 @@ export class Pipeline {
     await this.source.consume((message) => this.receive(message));
   }
 
-  /** Messages delivered to us and not yet acked or returned to the source. */
   /** The target's max_message_size, once it refused a message for being larger. */
   targetSizeLimit: number | undefined;
 
+  /** Messages delivered to us and not yet acked or returned to the source. */
   get heldCount(): number {
     return this.held;
   }
