@@ -87,6 +87,8 @@ class Abandoned extends Error {}
 // An ACL refusal, of the call itself or of a command inside a script.
 const REDIS_NO_PERMISSION = /NOPERM|can't run this command/;
 
+// Claim calls out at once; the messages that arrive meanwhile wait and go as the next batch.
+const MAX_CLAIMS_OUT = 2;
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
@@ -116,6 +118,8 @@ export class Pipeline {
 
   private readonly batch: Entry[] = [];
   private flushScheduled = false;
+  /** Claim calls sent and not yet answered (see flush). */
+  private claimsOut = 0;
   /** IDs in flight in this process → copies of the same ID waiting for its outcome. */
   private readonly inFlight = new Map<string, Entry[]>();
   /** Entries holding a claim that is not yet committed or released (their leases are renewed). */
@@ -344,7 +348,9 @@ export class Pipeline {
 
   private flush(): void {
     this.flushScheduled = false;
-    while (this.batch.length > 0) {
+    // Claims out at once are bounded: under load the next batch fills while they are answered, so
+    // a busy bridge makes fewer, larger Redis calls (each call costs both ends far more than an ID).
+    while (this.batch.length > 0 && this.claimsOut < MAX_CLAIMS_OUT) {
       const entries = this.batch.splice(0, this.settings.batchSize);
       this.track(this.forward(entries));
     }
@@ -369,7 +375,14 @@ export class Pipeline {
   private async forward(entries: Entry[]): Promise<void> {
     const keys = entries.map((entry) => entry.key as string);
     const claimStarted = performance.now();
-    const states = await this.redis('claim', () => this.cache.claim(keys));
+    this.claimsOut++;
+    let states: ClaimState[];
+    try {
+      states = await this.redis('claim', () => this.cache.claim(keys));
+    } finally {
+      this.claimsOut--;
+      if (this.batch.length > 0) this.flush();
+    }
     this.onLatency('claim', secondsSince(claimStarted), entries.length);
     const toPublish: Entry[] = [];
     const busy: Entry[] = [];
@@ -398,7 +411,7 @@ export class Pipeline {
     if (toPublish.length === 0) return;
     if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
-    const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
+    const outcomes = await this.publishBatch(toPublish);
     const confirmed: Entry[] = [];
     const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
@@ -459,24 +472,40 @@ export class Pipeline {
   }
 
   /**
-   * Publishes until the target answers. A publish lost with its connection may or may not be on
-   * the target: it is sent again, flagged in-doubt, once the target is back.
+   * Publishes a batch until the target answers each message, with one promise for the batch. A
+   * publish lost with its connection may or may not be on the target: it is sent again, flagged
+   * in-doubt, once the target is back.
    */
-  private publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
+  private publishBatch(entries: Entry[]): Promise<PublishOutcome[]> {
     const started = performance.now();
-    const first = this.publishOnce(entry);
-    const timed = (outcome: PublishOutcome) => {
-      if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
-      return outcome;
-    };
-    return first.then((outcome) =>
-      outcome === 'lost' || outcome === 'killed'
-        ? this.publishAgain(entry, outcome).then(timed)
-        : timed(outcome),
-    );
+    const outcomes = new Array<PublishOutcome>(entries.length);
+    let left = entries.length;
+    return new Promise((resolve, reject) => {
+      const answered = (index: number, outcome: PublishOutcome) => {
+        outcomes[index] = outcome;
+        if (--left > 0) return;
+        this.onLatency('confirm', secondsSince(started), entries.length);
+        resolve(outcomes);
+      };
+      entries.forEach((entry, index) => {
+        const first = (outcome: PublishOutcome) => {
+          if (outcome === 'lost' || outcome === 'killed') {
+            this.publishAgain(entry, outcome).then((again) => answered(index, again), reject);
+          } else {
+            answered(index, outcome);
+          }
+        };
+        try {
+          if (entry.suspect > 0) this.alone(() => this.publish(entry, true)).then(first, reject);
+          else this.send(entry, first);
+        } catch (error) {
+          reject(error);
+        }
+      });
+    });
   }
 
-  /** The rest of publishUntilAnswered, after a first publish was lost or its channel killed. */
+  /** The rest of a publish after a first attempt was lost or its channel killed. */
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
@@ -556,6 +585,34 @@ export class Pipeline {
    * added, and a `user_id` the target would refuse moved to a header.
    */
   private publish(entry: Entry, alone: boolean): Promise<PublishOutcome> {
+    if (!alone) return new Promise((resolve) => this.send(entry, resolve));
+    const { bytes, routingKey } = this.outgoing(entry);
+    return this.target.publishAlone(
+      this.settings.targetExchange,
+      routingKey,
+      bytes,
+      entry.message.content,
+      entry.matchKey,
+      entry,
+    );
+  }
+
+  /** Publishes on the ordinary channel and tells `answered` what the target said. */
+  private send(entry: Entry, answered: (outcome: PublishOutcome) => void): void {
+    const { bytes, routingKey } = this.outgoing(entry);
+    this.target.send(
+      this.settings.targetExchange,
+      routingKey,
+      bytes,
+      entry.message.content,
+      entry.matchKey,
+      entry,
+      answered,
+    );
+  }
+
+  /** The content header and routing key a message is forwarded with. */
+  private outgoing(entry: Entry): { bytes: Buffer; routingKey: string | Buffer } {
     const message = entry.message;
     const header = entry.header as ContentHeader;
     // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
@@ -582,14 +639,7 @@ export class Pipeline {
       this.settings.targetRoutingKey ??
       routingBytesOf(message.fields)?.routingKey ??
       message.fields.routingKey;
-    return this.target[alone ? 'publishAlone' : 'publish'](
-      this.settings.targetExchange,
-      routingKey,
-      bytes,
-      message.content,
-      entry.matchKey,
-      entry,
-    );
+    return { bytes, routingKey };
   }
 
   /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
