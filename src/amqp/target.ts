@@ -10,6 +10,8 @@ import { checkExchangeExists, checkQueueExists, openChannel } from './source.js'
 /** Where a publish that cannot be sent says why. */
 export interface Refusal {
   refusal?: string;
+  /** The broker's words when it closed the channel this publish was in flight on. */
+  closedBy?: string;
 }
 
 /** The reply code with which a broker closes a channel over one message it refuses. */
@@ -28,6 +30,8 @@ export type PublishOutcome =
 interface ChannelEnd {
   closed: boolean;
   byServer: boolean;
+  /** The broker's close text, when it closed the channel over a message. */
+  reason?: string;
 }
 
 interface Pending {
@@ -107,7 +111,10 @@ export class TargetPublisher {
       // expiration, a user_id that is not ours): such a close makes the messages in flight suspects.
       // Any other code (access refused, an exchange deleted) is about the route, never a message:
       // those publishes are lost and go again, or the route stops.
-      if (replyCodeOf(error) === MESSAGE_REFUSED) flag.byServer = true;
+      if (replyCodeOf(error) === MESSAGE_REFUSED) {
+        flag.byServer = true;
+        flag.reason = error.message;
+      }
       this.log.warn({ error: error.message }, `${name} error`);
       if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
     });
@@ -268,7 +275,10 @@ export class TargetPublisher {
         }
         // amqplib calls back with an error both for a nack and for a closed channel; the close
         // listeners run synchronously, so by the next microtask we know which one it was.
-        queueMicrotask(() => settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked'));
+        queueMicrotask(() => {
+          if (closed.closed && closed.byServer) note.closedBy = closed.reason;
+          settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked');
+        });
       });
       if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
     } catch (error) {

@@ -4,6 +4,7 @@ import { describe } from '../amqp/errors.js';
 import { encodeValue, rawField } from '../amqp/fields.js';
 import { routingBytesOf } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
+import { refusalOfClose } from '../amqp/refusal.js';
 import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
@@ -70,6 +71,8 @@ interface Entry {
   suspect: number;
   /** Why the bridge refuses it, when it does (said in the log and the park reason). */
   refusal?: string;
+  /** The broker's words when it last closed the target channel while this was in flight. */
+  closedBy?: string;
 }
 
 /** Why a message is refused; 'unreadable', 'unpublishable' and 'loop' come with the detail. */
@@ -165,6 +168,9 @@ export class Pipeline {
     this.renewTimer = setInterval(() => this.renewLeases(), renewEvery);
     await this.source.consume((message) => this.receive(message));
   }
+
+  /** The target's max_message_size, once it refused a message for being larger. */
+  targetSizeLimit: number | undefined;
 
   /** Messages delivered to us and not yet acked or returned to the source. */
   get heldCount(): number {
@@ -514,9 +520,10 @@ export class Pipeline {
         entry.suspect++;
         this.rememberSuspect(entry.key as string);
         if (entry.suspect >= 2) {
-          // Alone on its own channel: the close was this message's doing.
-          entry.refusal =
-            'the target closed its channel for this message sent alone (larger than its max_message_size, say)';
+          // Alone on its own channel: the close was this message's doing, and its words say why.
+          const refusal = refusalOfClose(entry.closedBy);
+          entry.refusal = refusal.detail;
+          if (refusal.sizeLimit !== undefined) this.targetSizeLimit = refusal.sizeLimit;
           return 'nacked';
         }
       } else if (outcome !== 'lost' || this.abandoned) {
@@ -829,7 +836,7 @@ export class Pipeline {
         // The Redis user lacks a command the bridge needs: retrying cannot fix that.
         if (REDIS_NO_PERMISSION.test(describe(error))) {
           throw new FatalConnectError(
-            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that README's Least privilege section lists`,
+            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that docs/security.md, Least privilege, lists`,
           );
         }
         // One line per outage, not one per batch in flight.
