@@ -19,8 +19,14 @@ const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR
  * it keeps retrying, so that fixing Redis's side resumes it without a restart.
  */
 function refusal(where: string, error: Error, reconnecting: boolean): string {
-  const code = FATAL_REPLY.exec(error.message)?.[1] ?? error.message;
-  const what = 'authentication or database refused; check the user, password and database in the URL';
+  let code = FATAL_REPLY.exec(error.message)?.[1] ?? error.message;
+  let what = 'authentication or database refused; check the user, password and database in the URL';
+  if (code === 'NOPERM') {
+    // Redis names the command (SELECT for a database other than 0): say which grant is missing.
+    code = error.message.split('\n')[0] as string;
+    what =
+      "a command ioredis sends on connecting is not granted to the user; add it (README's Least privilege lists the ACL per topology)";
+  }
   return reconnecting
     ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
     : `${where}: ${code} — ${what}`;
@@ -34,6 +40,8 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
     maxRetriesPerRequest: null,
     connectionName: 'dedup-bridge',
     connectTimeout: 5000,
+    // CLIENT SETINFO (library name and version) would need a grant of its own in a minimal ACL.
+    disableClientInfo: true,
   };
   if (topology.kind === 'standalone')
     return new Redis(topology.url, {

@@ -1,4 +1,5 @@
 import amqp from 'amqplib';
+import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import {
   countDelivery,
@@ -13,21 +14,13 @@ import {
   uniqueName,
   waitFor,
 } from '../helpers.js';
+import { documentedAcl, forTest, notRefused, refusalsOf } from '../redis-acl-doc.js';
 import { type AdminServers, adminServers, asUser, type Permissions, redisAdmin } from './privilege-admin.js';
 
-// The Redis ACL of README's "Least privilege" section, for the key prefix `${prefix}`.
-const redisAcl = (prefix: string) => [
-  `~${prefix}:*`,
-  'resetchannels',
-  '-@all',
-  '+@read',
-  '+@write',
-  '+@scripting',
-  '-@dangerous',
-  '+info',
-  '+time',
-  '+client|setname',
-];
+/** The Redis users of the docs' "Redis ACL" lines, for this file's key prefix. */
+const bridgeAcl = () => documentedAcl('the bridge: run');
+const dbAcl = () => documentedAcl('database other than 0');
+const toolsAcl = () => documentedAcl('cache stats and cache reset-scope');
 
 const PASSWORD = 'least-privilege';
 
@@ -59,12 +52,27 @@ describe('least privilege: the bridge runs as users with only the documented per
   const noWriteUser = `${name}-no-write`;
   const redisUser = `${name}-redis`;
   const noScriptsUser = `${name}-redis-no-scripts`;
+  const toolsUser = `${name}-redis-tools`;
+  const dbUser = `${name}-redis-db`;
+
+  /** Creates a Redis user from documented lines, run in order as the docs say. */
+  const setRedisUser = async (user: string, lines: { rules: string[] }[]) => {
+    for (const { rules } of lines) {
+      await redisAdmin(
+        admin.redisUrl,
+        'ACL',
+        'SETUSER',
+        user,
+        ...forTest(rules, { password: PASSWORD, prefix: name }),
+      );
+    }
+  };
 
   // README, "Least privilege": the base grants plus those of the options the tests use.
   const sourcePermissions: Permissions = {
     configure: `^${migrated}$`, // migrate --delete-source-when-empty
     write: '^amq\\.default$', // --park-queue
-    read: `^${name}-(migrated|live|refused)$`, // the source queues
+    read: `^${name}-(migrated|live|refused|db)$`, // the source queues
   };
   const targetPermissions: Permissions = {
     configure: `^${migrated}$`, // migrate --declare-target
@@ -82,15 +90,14 @@ describe('least privilege: the bridge runs as users with only the documented per
         { name: targetUser, password: PASSWORD, permissions: targetPermissions },
         { name: noWriteUser, password: PASSWORD, permissions: { ...targetPermissions, write: '^$' } },
       ]),
-      redisAdmin(admin.redisUrl, 'ACL', 'SETUSER', redisUser, 'on', `>${PASSWORD}`, ...redisAcl(name)),
-      redisAdmin(
-        admin.redisUrl,
-        'ACL',
-        'SETUSER',
+      setRedisUser(redisUser, bridgeAcl()),
+      setRedisUser(toolsUser, [...bridgeAcl(), ...toolsAcl()]),
+      setRedisUser(dbUser, [...bridgeAcl(), ...dbAcl()]),
+      setRedisUser(
         noScriptsUser,
-        'on',
-        `>${PASSWORD}`,
-        ...redisAcl(name).filter((rule) => rule !== '+@scripting'),
+        bridgeAcl().map(({ rules }) => ({
+          rules: rules.filter((rule) => rule !== '+eval' && rule !== '+evalsha'),
+        })),
       ),
     ]);
   });
@@ -100,7 +107,7 @@ describe('least privilege: the bridge runs as users with only the documented per
     await Promise.allSettled([
       admin.deleteUsers('source', [sourceUser]),
       admin.deleteUsers('target', [targetUser, noWriteUser]),
-      redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', redisUser, noScriptsUser),
+      redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', redisUser, noScriptsUser, toolsUser, dbUser),
     ]);
     await admin.stop();
   });
@@ -199,30 +206,117 @@ describe('least privilege: the bridge runs as users with only the documented per
     );
     expect(await depthOf(admin.sourceUrl, live)).toBe(0);
 
-    // The cache tools work with the same Redis ACL.
-    const redis = asUser(admin.redisUrl, redisUser, PASSWORD);
-    const inspect = await runCli([
-      'inspect',
-      '--redis',
-      redis,
-      '--redis-prefix',
-      name,
+    // The bridge's user needed nothing it was not granted: Redis logged no refusal of it.
+    expect(refusalsOf(await redisAdmin(admin.redisUrl, 'ACL', 'LOG', '1000'), redisUser)).toEqual([]);
+
+    // inspect and cache forget work as the bridge's user; cache stats needs SCAN, which it lacks.
+    const tool = (user: string, ...args: string[]) =>
+      runCli([...args, '--redis', asUser(admin.redisUrl, user, PASSWORD), '--redis-prefix', name]);
+    const inspect = await tool(redisUser, 'inspect', '--scope', `exchange:${exchange}`, `${live}-routed-0`);
+    expect(inspect.stderr).toBe('');
+    expect(inspect.stdout).toMatch(/committed/);
+    const forget = await tool(
+      redisUser,
+      'cache',
+      'forget',
       '--scope',
       `exchange:${exchange}`,
       `${live}-routed-0`,
-    ]);
-    expect(inspect.stdout).toMatch(/committed/);
-    const stats = await runCli([
+      '--yes',
+    );
+    expect(forget.stdout).toContain('forgot 1 of 1 ID(s)');
+    const mistyped = await tool(redisUser, 'inspect', '--scope', `exchange:${exchange}x`, 'any');
+    expect(mistyped.code).toBe(2);
+    expect(mistyped.stderr).toBe(
+      `dedup-bridge: --scope: no such scope "exchange:${exchange}x" under --redis-prefix "${name}" (this Redis user may not SCAN, so the stored scopes are not listed); check --scope, --redis and --redis-prefix\n`,
+    );
+    const refusedStats = await tool(redisUser, 'cache', 'stats', '--scope', `queue:${migrated}`);
+    expect(refusedStats.code).toBe(2);
+    expect(refusedStats.stderr).toMatch(
+      /^dedup-bridge: cache stats: Redis refused a command it needs \(NOPERM [^\n]*'scan' command\); give the --redis user the grants README's Least privilege lists for this tool\n$/,
+    );
+    // The tools' user (the bridge's lines, then the tools' line) reads and resets the scope.
+    const stats = await tool(toolsUser, 'cache', 'stats', '--scope', `queue:${migrated}`);
+    expect(stats.stderr).toBe('');
+    expect(stats.stdout).toMatch(/20 committed IDs/);
+    const reset = await tool(
+      toolsUser,
       'cache',
-      'stats',
-      '--redis',
-      redis,
-      '--redis-prefix',
-      name,
+      'reset-scope',
       '--scope',
       `queue:${migrated}`,
-    ]);
-    expect(stats.stdout).toMatch(/20 committed IDs/);
+      '--yes',
+      '--force',
+    );
+    expect(reset.stderr).toBe('');
+    expect(reset.stdout).toMatch(/forgot 20 committed ID\(s\)/);
+    expect(refusalsOf(await redisAdmin(admin.redisUrl, 'ACL', 'LOG', '1000'), toolsUser)).toEqual([]);
+
+    // What the bridge's user must not do: other applications' functions, listing or counting every
+    // key, keys outside its prefix.
+    const asBridge = new Redis(asUser(admin.redisUrl, redisUser, PASSWORD));
+    try {
+      expect(await notRefused((command, ...args) => asBridge.call(command, ...args))).toEqual([]);
+    } finally {
+      asBridge.disconnect();
+    }
+  });
+
+  it("on a database other than 0: the bridge's lines plus SELECT forward each message once; without SELECT it stops at once naming it", async () => {
+    const queue = `${name}-db`;
+    await declareQueue(admin.sourceUrl, queue);
+    await declareQueue(admin.targetUrl, queue);
+    await publishAll(admin.sourceUrl, queue, messages(queue, 10));
+    const onDb = (user: string) => [
+      'migrate',
+      '--source',
+      asUser(admin.sourceUrl, sourceUser, PASSWORD),
+      '--target',
+      asUser(admin.targetUrl, targetUser, PASSWORD),
+      '--redis',
+      `${asUser(admin.redisUrl, user, PASSWORD)}/3`,
+      '--redis-prefix',
+      name,
+      '--source-queue',
+      queue,
+      '--idle-timeout',
+      '300ms',
+      '--quiet',
+    ];
+    const refused = await runCli(onDb(redisUser));
+    expect(refused.code).toBe(2);
+    expect(refused.stderr).toMatch(
+      /^dedup-bridge: Redis at [^\n]*\/3: NOPERM [^\n]*'select' command[^\n]*\n$/,
+    );
+    expect(refused.stderr).not.toContain(PASSWORD);
+    expect(await depthOf(admin.targetUrl, queue)).toBe(0);
+
+    const migrate = await runCli(onDb(dbUser));
+    expect(migrate.stderr).toBe('');
+    expect(migrate.code).toBe(0);
+    const delivered = countDelivery(
+      'privilege db 3',
+      messages(queue, 10).map((message) => message.options.headers._HQ_DUPL_ID),
+      idsOf(await takeAll(admin.targetUrl, queue)),
+    );
+    expect(delivered).toMatchObject({ received: 10, lost: 0, duplicated: 0, unexpected: 0 });
+    expect(refusalsOf(await redisAdmin(admin.redisUrl, 'ACL', 'LOG', '1000'), dbUser)).toEqual([]);
+    // The IDs are in database 3, not 0.
+    const layout = `${name}:{queue:${queue}}:layout`;
+    const db3 = new Redis(`${admin.redisUrl}/3`);
+    const db0 = new Redis(admin.redisUrl);
+    try {
+      expect([await db3.exists(layout), await db0.exists(layout)]).toEqual([1, 0]);
+    } finally {
+      db3.disconnect();
+      db0.disconnect();
+    }
+    const asBridge = new Redis(`${asUser(admin.redisUrl, dbUser, PASSWORD)}/3`);
+    try {
+      expect(await notRefused((command, ...args) => asBridge.call(command, ...args))).toEqual([]);
+    } finally {
+      asBridge.disconnect();
+    }
   });
 
   it('one permission less stops at once, naming it (exit 2), and moves nothing', async () => {
