@@ -1,6 +1,7 @@
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import {
   countDelivery,
   declareQueue,
@@ -316,6 +317,48 @@ describe('least privilege: the bridge runs as users with only the documented per
       expect(await notRefused((command, ...args) => asBridge.call(command, ...args))).toEqual([]);
     } finally {
       asBridge.disconnect();
+    }
+  });
+
+  it("the library's idempotent consumer runs as the documented consumer user: each ID handled once, its writes land, the rest refused", async () => {
+    const queue = `${name}-consumer`;
+    const scope = `${name}-app`;
+    const consumerUser = `${name}-redis-consumer`;
+    const [line] = documentedAcl('a library consumer of scope billing');
+    await redisAdmin(
+      admin.redisUrl,
+      'ACL',
+      'SETUSER',
+      consumerUser,
+      ...forTest(line?.rules ?? [], { password: PASSWORD, prefix: name, scope }),
+    );
+    const redis = new Redis(asUser(admin.redisUrl, consumerUser, PASSWORD));
+    const broker = await openBroker(admin.sourceUrl);
+    try {
+      await declareQueue(admin.sourceUrl, queue);
+      const ids = messages(queue, 10);
+      await publishAll(admin.sourceUrl, queue, [...ids, ...ids.slice(0, 3)]);
+      const revenue = `{${scope}}:revenue`;
+      const consumer = await createIdempotentConsumer({
+        channel: broker.channel,
+        queue,
+        redis,
+        scope,
+        prefix: name,
+        handler: (_message, context) => {
+          context.transaction().hincrby(revenue, 'total', 1);
+        },
+      });
+      expect(await waitFor(() => consumer.counts.processed + consumer.counts.duplicates === 13)).toBe(true);
+      await consumer.stop();
+      expect(consumer.counts).toMatchObject({ processed: 10, duplicates: 3, failures: 0 });
+      expect(await redisAdmin(admin.redisUrl, 'HGET', revenue, 'total')).toBe('10');
+      expect(refusalsOf(await redisAdmin(admin.redisUrl, 'ACL', 'LOG', '1000'), consumerUser)).toEqual([]);
+      expect(await notRefused((command, ...args) => redis.call(command, ...args))).toEqual([]);
+    } finally {
+      await broker.close();
+      redis.disconnect();
+      await redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', consumerUser);
     }
   });
 
