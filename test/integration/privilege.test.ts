@@ -3,6 +3,13 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import {
+  documentedAcl,
+  documentedPermissions,
+  forTest,
+  notRefused,
+  refusalsOf,
+} from '../documented-grants.js';
+import {
   countDelivery,
   declareQueue,
   depthOf,
@@ -15,7 +22,6 @@ import {
   uniqueName,
   waitFor,
 } from '../helpers.js';
-import { documentedAcl, forTest, notRefused, refusalsOf } from '../redis-acl-doc.js';
 import { type AdminServers, adminServers, asUser, type Permissions, redisAdmin } from './privilege-admin.js';
 
 /** The Redis users of the docs' "Redis ACL" lines, for this file's key prefix. */
@@ -73,13 +79,31 @@ describe('least privilege: the bridge runs as users with only the documented per
   const sourcePermissions: Permissions = {
     configure: `^${migrated}$`, // migrate --delete-source-when-empty
     write: '^amq\\.default$', // --park-queue
-    read: `^${name}-(migrated|live|refused|db)$`, // the source queues
+    read: `^${name}-(migrated|live|refused|db|fanout|dlq)$`, // the source queues
   };
   const targetPermissions: Permissions = {
     configure: `^${migrated}$`, // migrate --declare-target
     write: `^(amq\\.default|${exchange})$`, // --target-queue / --target-exchange
     read: '^$',
   };
+
+  // README, "Least privilege": the dedicated exchange, and --declare-target of a queue with a DLX.
+  const fanoutSource = `${name}-fanout`;
+  const fanoutTarget = `${name}-fanout-dst`;
+  const ownExchange = `${name}-in`;
+  const dlq = `${name}-dlq`;
+  const dlx = `${name}-dlx`;
+  const exchangeUser = `${name}-own-exchange`;
+  const dlxUser = `${name}-declare-dlx`;
+  const dlxNoReadUser = `${name}-declare-dlx-no-read`;
+  const dlxNoWriteUser = `${name}-declare-dlx-no-write`;
+  const exchangePermissions = documentedPermissions('publishing through its own exchange', {
+    'orders-in': ownExchange,
+  });
+  const dlxPermissions = documentedPermissions('whose dead-letter exchange is', {
+    orders: dlq,
+    'orders-dlx': dlx,
+  });
 
   beforeAll(async () => {
     admin = await adminServers();
@@ -90,6 +114,14 @@ describe('least privilege: the bridge runs as users with only the documented per
       admin.addUsers('target', [
         { name: targetUser, password: PASSWORD, permissions: targetPermissions },
         { name: noWriteUser, password: PASSWORD, permissions: { ...targetPermissions, write: '^$' } },
+        { name: exchangeUser, password: PASSWORD, permissions: exchangePermissions },
+        { name: dlxUser, password: PASSWORD, permissions: dlxPermissions },
+        { name: dlxNoReadUser, password: PASSWORD, permissions: { ...dlxPermissions, read: '^$' } },
+        {
+          name: dlxNoWriteUser,
+          password: PASSWORD,
+          permissions: { ...dlxPermissions, write: '^amq\\.default$' },
+        },
       ]),
       setRedisUser(redisUser, bridgeAcl()),
       setRedisUser(toolsUser, [...bridgeAcl(), ...toolsAcl()]),
@@ -107,7 +139,14 @@ describe('least privilege: the bridge runs as users with only the documented per
     if (!admin) return;
     await Promise.allSettled([
       admin.deleteUsers('source', [sourceUser]),
-      admin.deleteUsers('target', [targetUser, noWriteUser]),
+      admin.deleteUsers('target', [
+        targetUser,
+        noWriteUser,
+        exchangeUser,
+        dlxUser,
+        dlxNoReadUser,
+        dlxNoWriteUser,
+      ]),
       redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', redisUser, noScriptsUser, toolsUser, dbUser),
     ]);
     await admin.stop();
@@ -360,6 +399,107 @@ describe('least privilege: the bridge runs as users with only the documented per
       redis.disconnect();
       await redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', consumerUser);
     }
+  });
+
+  it('through an exchange of its own, the target user forwards each message once and may publish nowhere else', async () => {
+    await declareQueue(admin.sourceUrl, fanoutSource);
+    await declareQueue(admin.targetUrl, fanoutTarget);
+    await declareQueue(admin.targetUrl, refusedQueue);
+    // The administrator's part: the exchange, bound to the target queue only.
+    const setup = await openBroker(admin.targetUrl);
+    await setup.channel.assertExchange(ownExchange, 'fanout', { durable: true });
+    await setup.channel.bindQueue(fanoutTarget, ownExchange, '');
+    await setup.close();
+    const sent = messages(fanoutSource, 10);
+    await publishAll(admin.sourceUrl, fanoutSource, sent);
+    const migrate = await runCli([
+      'migrate',
+      ...connection({ target: exchangeUser }),
+      '--source-queue',
+      fanoutSource,
+      '--target-exchange',
+      ownExchange,
+      '--idle-timeout',
+      '300ms',
+      '--quiet',
+    ]);
+    expect(migrate.stderr).toBe('');
+    expect(migrate.code).toBe(0);
+    const delivered = countDelivery(
+      'privilege own exchange',
+      sent.map((message) => message.options.headers._HQ_DUPL_ID),
+      idsOf(await takeAll(admin.targetUrl, fanoutTarget)),
+    );
+    expect(delivered).toMatchObject({ received: 10, lost: 0, duplicated: 0, unexpected: 0 });
+
+    // The same user publishing to another queue: through the default exchange or another one.
+    const refusals: string[] = [];
+    for (const exchange of ['', 'amq.direct', 'amq.fanout']) {
+      const broker = await openBroker(asUser(admin.targetUrl, exchangeUser, PASSWORD));
+      const closed = new Promise<string>((resolve) =>
+        broker.channel.on('error', (error: Error) => resolve(error.message)),
+      );
+      broker.channel.publish(exchange, refusedQueue, Buffer.from('not for this user'));
+      refusals.push(await closed);
+      await broker.close();
+    }
+    expect(refusals).toEqual(
+      ['amq.default', 'amq.direct', 'amq.fanout'].map((exchange) =>
+        expect.stringContaining(
+          `ACCESS_REFUSED - access to exchange '${exchange}' in vhost '/' refused for user '${exchangeUser}'`,
+        ),
+      ),
+    );
+    expect(await depthOf(admin.targetUrl, refusedQueue)).toBe(0);
+  });
+
+  it('--declare-target of a queue with a dead-letter exchange works with the documented grant, and names what is missing without it', async () => {
+    const source = await openBroker(admin.sourceUrl);
+    await source.channel.assertQueue(dlq, { durable: true, arguments: { 'x-dead-letter-exchange': dlx } });
+    await source.close();
+    const sent = messages(dlq, 5);
+    await publishAll(admin.sourceUrl, dlq, sent);
+    const migrate = (target: string) =>
+      runCli([
+        'migrate',
+        ...connection({ target }),
+        '--source-queue',
+        dlq,
+        '--declare-target',
+        '--source-management',
+        asUser(admin.sourceManagementUrl, sourceUser, PASSWORD),
+        '--idle-timeout',
+        '300ms',
+        '--quiet',
+      ]);
+
+    const noRead = await migrate(dlxNoReadUser);
+    expect(noRead.code).toBe(2);
+    expect(noRead.stderr).toBe(
+      `dedup-bridge: --declare-target: creating target queue "${dlq}" refused: access to queue '${dlq}' in vhost '/' refused for user '${dlxNoReadUser}'; grant the user configure permission on the queue (with dead-letter exchange "${dlx}" it also needs read permission on the queue and write permission on "${dlx}"), or declare the queue beforehand\n`,
+    );
+    const noWrite = await migrate(dlxNoWriteUser);
+    expect(noWrite.code).toBe(2);
+    expect(noWrite.stderr).toContain(
+      `refused: access to exchange '${dlx}' in vhost '/' refused for user '${dlxNoWriteUser}'`,
+    );
+    expect(await depthOf(admin.sourceUrl, dlq)).toBe(5);
+
+    const declared = await migrate(dlxUser);
+    expect(declared.stderr).toBe('');
+    expect(declared.code).toBe(0);
+    const delivered = countDelivery(
+      'privilege declare with DLX',
+      sent.map((message) => message.options.headers._HQ_DUPL_ID),
+      idsOf(await takeAll(admin.targetUrl, dlq)),
+    );
+    expect(delivered).toMatchObject({ received: 5, lost: 0, duplicated: 0, unexpected: 0 });
+    // Declared with the source's dead-letter exchange (a declaration with other arguments fails).
+    const check = await openBroker(admin.targetUrl);
+    await expect(
+      check.channel.assertQueue(dlq, { durable: true, arguments: { 'x-dead-letter-exchange': dlx } }),
+    ).resolves.toMatchObject({ queue: dlq });
+    await check.close();
   });
 
   it('one permission less stops at once, naming it (exit 2), and moves nothing', async () => {

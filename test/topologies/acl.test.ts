@@ -1,5 +1,6 @@
 import { Cluster, Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { documentedAcl, forTest, notRefused, refusalsOf } from '../documented-grants.js';
 import { cli, RedisClusterSet, RedisSentinelSet } from '../harness/redis-topologies.js';
 import {
   countDelivery,
@@ -13,7 +14,6 @@ import {
   takeAll,
   waitFor,
 } from '../helpers.js';
-import { documentedAcl, forTest, notRefused, refusalsOf } from '../redis-acl-doc.js';
 import { numbered, onRedis } from './topo-helpers.js';
 
 // The users of README's "Redis ACL" lines, with the default --redis-prefix (dedup) they are written for.

@@ -100,3 +100,36 @@ export function refusalsOf(aclLog: unknown, user: string): string[] {
     .filter((entry) => entry.username === user)
     .map((entry) => `${String(entry.reason)} ${String(entry.object)}`);
 }
+
+/**
+ * The `rabbitmqctl set_permissions` line the docs print under a `# …` comment containing `label`:
+ * its configure, write and read regexes, with the docs' example names (`orders`, `orders-in`,
+ * `orders-dlx`) replaced by a test's own.
+ */
+export function documentedPermissions(
+  label: string,
+  names: { orders?: string; 'orders-in'?: string; 'orders-dlx'?: string },
+): { configure: string; write: string; read: string } {
+  const found: string[] = [];
+  for (const file of docFiles()) {
+    for (const block of readFileSync(file, 'utf8').matchAll(/^```\n([\s\S]*?)^```$/gm)) {
+      const lines = (block[1] as string).split('\n');
+      lines.forEach((line, index) => {
+        const next = lines[index + 1] ?? '';
+        if (line.startsWith('#') && line.includes(label) && next.startsWith('rabbitmqctl set_permissions'))
+          found.push(next);
+      });
+    }
+  }
+  const [line, ...others] = found;
+  const regexes = line ? [...line.matchAll(/'([^']*)'/g)].map((match) => match[1] as string) : [];
+  if (!line || others.length > 0 || regexes.length !== 3) {
+    throw new Error(
+      `the docs have ${found.length} set_permissions line(s) labelled "${label}"; expected one`,
+    );
+  }
+  const rename = (regex: string) =>
+    regex.replace(/orders(-in|-dlx)?/g, (whole) => names[whole as keyof typeof names] ?? whole);
+  const [configure, write, read] = regexes.map(rename) as [string, string, string];
+  return { configure, write, read };
+}
