@@ -4,7 +4,7 @@ import { describe } from '../amqp/errors.js';
 import { passwordOf, redactSecrets } from '../config/redact.js';
 import { describeRedis, parseRedisUrl, type RedisTopology } from '../config/redis-url.js';
 import { redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
-import { FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
+import { ConfigError, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { masterNodes } from './slots.js';
 
@@ -30,6 +30,18 @@ function refusal(where: string, error: Error, reconnecting: boolean): string {
   return reconnecting
     ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
     : `${where}: ${code} — ${what}`;
+}
+
+/**
+ * An ACL refusal (NOPERM: Redis names the command) as what it is, a grant missing from the user:
+ * one line and exit 2, since retrying cannot fix it. Any other error is returned unchanged.
+ */
+export function asMissingGrant(error: unknown, what: string): unknown {
+  const message = error instanceof Error ? (error.message.split('\n')[0] as string) : String(error);
+  if (!/^NOPERM/.test(message)) return error;
+  return new ConfigError(
+    `Redis refused ${what} (${message}); give the user the ACL README's Least privilege section lists`,
+  );
 }
 
 const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);

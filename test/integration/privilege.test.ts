@@ -59,6 +59,7 @@ describe('least privilege: the bridge runs as users with only the documented per
   const noWriteUser = `${name}-no-write`;
   const redisUser = `${name}-redis`;
   const noScriptsUser = `${name}-redis-no-scripts`;
+  const noSetUser = `${name}-redis-no-set`;
   const toolsUser = `${name}-redis-tools`;
   const dbUser = `${name}-redis-db`;
 
@@ -132,6 +133,10 @@ describe('least privilege: the bridge runs as users with only the documented per
           rules: rules.filter((rule) => rule !== '+eval' && rule !== '+evalsha'),
         })),
       ),
+      setRedisUser(
+        noSetUser,
+        bridgeAcl().map(({ rules }) => ({ rules: rules.filter((rule) => rule !== '+set') })),
+      ),
     ]);
   });
 
@@ -147,7 +152,7 @@ describe('least privilege: the bridge runs as users with only the documented per
         dlxNoReadUser,
         dlxNoWriteUser,
       ]),
-      redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', redisUser, noScriptsUser, toolsUser, dbUser),
+      redisAdmin(admin.redisUrl, 'ACL', 'DELUSER', redisUser, noScriptsUser, noSetUser, toolsUser, dbUser),
     ]);
     await admin.stop();
   });
@@ -529,6 +534,31 @@ describe('least privilege: the bridge runs as users with only the documented per
     expect(noScripts.code).toBe(2);
     expect(noScripts.stderr).toMatch(
       /^dedup-bridge: Redis refused the claim call \(NOPERM [^\n]*'eval(sha)?' command\); give the user the ACL that README's Least privilege section lists\n$/,
+    );
+
+    // A Redis user without SET: refused at its first write (migrate's job lock), before any claim.
+    const noSet = await migrate({ redis: noSetUser });
+    expect(noSet.code, noSet.stderr).toBe(2);
+    expect(noSet.stderr).toMatch(
+      /^dedup-bridge: Redis refused taking the job lock \(NOPERM [^\n]*'set' command\); give the user the ACL README's Least privilege section lists\n$/,
+    );
+    // run takes no job lock: refused where it writes the scope's layout.
+    const run = await runCli(
+      [
+        'run',
+        ...connection({ redis: noSetUser }),
+        '--source-queue',
+        refusedQueue,
+        '--target-queue',
+        refusedQueue,
+      ],
+      {
+        timeoutMs: 30_000,
+      },
+    );
+    expect(run.code, run.stderr).toBe(2);
+    expect(run.stderr).toMatch(
+      /^dedup-bridge: Redis refused opening the dedup scope \(NOPERM [^\n]*'set' command\); give the user the ACL README's Least privilege section lists\n$/,
     );
 
     expect(await depthOf(admin.sourceUrl, refusedQueue)).toBe(3);
