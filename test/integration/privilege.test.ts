@@ -455,6 +455,16 @@ describe('least privilege: the bridge runs as users with only the documented per
         ),
       ),
     );
+    // Nor may it bind another queue to its exchange.
+    const binder = await openBroker(asUser(admin.targetUrl, exchangeUser, PASSWORD));
+    const bindRefused = new Promise<string>((resolve) =>
+      binder.channel.on('error', (error: Error) => resolve(error.message)),
+    );
+    await binder.channel.bindQueue(refusedQueue, ownExchange, '').catch(() => {});
+    expect(await bindRefused).toContain(
+      `ACCESS_REFUSED - access to queue '${refusedQueue}' in vhost '/' refused for user '${exchangeUser}'`,
+    );
+    await binder.close();
     expect(await depthOf(admin.targetUrl, refusedQueue)).toBe(0);
   });
 
