@@ -58,7 +58,7 @@ async function needingGrants<T>(tool: string, work: () => Promise<T>): Promise<T
     const message = error instanceof Error ? error.message : String(error);
     if (!/^NOPERM/.test(message)) throw error;
     throw new ConfigError(
-      `${tool}: Redis refused a command it needs (${message}); give the --redis user the grants README's Least privilege lists for this tool`,
+      `${tool}: Redis refused a command it needs (${message}); give the --redis user the grants that docs/security.md, Least privilege, lists for this tool`,
     );
   }
 }

@@ -25,7 +25,7 @@ function refusal(where: string, error: Error, reconnecting: boolean): string {
     // Redis names the command (SELECT for a database other than 0): say which grant is missing.
     code = error.message.split('\n')[0] as string;
     what =
-      "a command ioredis sends on connecting is not granted to the user; add it (README's Least privilege lists the ACL per topology)";
+      'a command ioredis sends on connecting is not granted to the user; add it (docs/security.md, Least privilege, lists the ACL per topology)';
   }
   return reconnecting
     ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
@@ -40,7 +40,7 @@ export function asMissingGrant(error: unknown, what: string): unknown {
   const message = error instanceof Error ? (error.message.split('\n')[0] as string) : String(error);
   if (!/^NOPERM/.test(message)) return error;
   return new ConfigError(
-    `Redis refused ${what} (${message}); give the user the ACL README's Least privilege section lists`,
+    `Redis refused ${what} (${message}); give the user the ACL that docs/security.md, Least privilege, lists`,
   );
 }
 

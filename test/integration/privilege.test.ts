@@ -76,7 +76,7 @@ describe('least privilege: the bridge runs as users with only the documented per
     }
   };
 
-  // README, "Least privilege": the base grants plus those of the options the tests use.
+  // docs/security.md, "Least privilege": the base grants plus those of the options the tests use.
   const sourcePermissions: Permissions = {
     configure: `^${migrated}$`, // migrate --delete-source-when-empty
     write: '^amq\\.default$', // --park-queue
@@ -278,7 +278,7 @@ describe('least privilege: the bridge runs as users with only the documented per
     const refusedStats = await tool(redisUser, 'cache', 'stats', '--scope', `queue:${migrated}`);
     expect(refusedStats.code).toBe(2);
     expect(refusedStats.stderr).toMatch(
-      /^dedup-bridge: cache stats: Redis refused a command it needs \(NOPERM [^\n]*'scan' command\); give the --redis user the grants README's Least privilege lists for this tool\n$/,
+      /^dedup-bridge: cache stats: Redis refused a command it needs \(NOPERM [^\n]*'scan' command\); give the --redis user the grants that docs\/security\.md, Least privilege, lists for this tool\n$/,
     );
     // The tools' user (the bridge's lines, then the tools' line) reads and resets the scope.
     const stats = await tool(toolsUser, 'cache', 'stats', '--scope', `queue:${migrated}`);
@@ -543,14 +543,14 @@ describe('least privilege: the bridge runs as users with only the documented per
     const noScripts = await migrate({ redis: noScriptsUser });
     expect(noScripts.code).toBe(2);
     expect(noScripts.stderr).toMatch(
-      /^dedup-bridge: Redis refused the claim call \(NOPERM [^\n]*'eval(sha)?' command\); give the user the ACL that README's Least privilege section lists\n$/,
+      /^dedup-bridge: Redis refused the claim call \(NOPERM [^\n]*'eval(sha)?' command\); give the user the ACL that docs\/security\.md, Least privilege, lists\n$/,
     );
 
     // A Redis user without SET: refused at its first write (migrate's job lock), before any claim.
     const noSet = await migrate({ redis: noSetUser });
     expect(noSet.code, noSet.stderr).toBe(2);
     expect(noSet.stderr).toMatch(
-      /^dedup-bridge: Redis refused taking the job lock \(NOPERM [^\n]*'set' command\); give the user the ACL README's Least privilege section lists\n$/,
+      /^dedup-bridge: Redis refused taking the job lock \(NOPERM [^\n]*'set' command\); give the user the ACL that docs\/security\.md, Least privilege, lists\n$/,
     );
     // run takes no job lock: refused where it writes the scope's layout.
     const run = await runCli(
@@ -568,7 +568,7 @@ describe('least privilege: the bridge runs as users with only the documented per
     );
     expect(run.code, run.stderr).toBe(2);
     expect(run.stderr).toMatch(
-      /^dedup-bridge: Redis refused opening the dedup scope \(NOPERM [^\n]*'set' command\); give the user the ACL README's Least privilege section lists\n$/,
+      /^dedup-bridge: Redis refused opening the dedup scope \(NOPERM [^\n]*'set' command\); give the user the ACL that docs\/security\.md, Least privilege, lists\n$/,
     );
 
     expect(await depthOf(admin.sourceUrl, refusedQueue)).toBe(3);
