@@ -1,7 +1,9 @@
+import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp, vhostOf } from '../../src/amqp/connect.js';
 import { clusterNameOf, publishRaw } from '../../src/amqp/internals.js';
 import { ContentHeader, contentHeaderOf } from '../../src/amqp/properties.js';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { createLogger } from '../../src/observe/log.js';
 import { FaultProxy } from '../harness/proxy.js';
 import {
@@ -17,6 +19,7 @@ import {
   sample,
   servers,
   startCli,
+  uniqueName,
   waitFor,
   withOption,
 } from '../helpers.js';
@@ -405,5 +408,43 @@ describe('the hot path', () => {
       bridge.signal('SIGTERM');
       await bridge.done;
     }
+  });
+
+  it("the library's consumer hands its handler plain properties, whole when spread, after the bridge forwarded them", async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    await publishAll(sourceUrl, source, [
+      {
+        body: 'order',
+        options: { messageId: 'order-1', contentType: 'text/plain', headers: { [ID]: 'order-1', n: 7 } },
+      },
+    ]);
+    const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target]));
+    expect(run.code, run.stderr).toBe(0);
+    const broker = await openBroker(targetUrl);
+    const redis = new Redis(servers().redisUrl);
+    const seen: Record<string, unknown>[] = [];
+    try {
+      const consumer = await createIdempotentConsumer({
+        channel: broker.channel,
+        queue: target,
+        redis,
+        scope: uniqueName('app'),
+        handler: (message) => {
+          seen.push({ ...message.properties });
+        },
+      });
+      expect(await waitFor(() => consumer.counts.processed === 1)).toBe(true);
+      await consumer.stop();
+    } finally {
+      await broker.close();
+      await redis.quit();
+    }
+    expect(seen).toHaveLength(1);
+    expect(seen[0]).toMatchObject({
+      messageId: 'order-1',
+      contentType: 'text/plain',
+      deliveryMode: 2,
+      headers: { [ID]: 'order-1', n: 7, 'x-dedup-route': [expect.stringContaining(source)] },
+    });
   });
 });
