@@ -309,6 +309,76 @@ describe('the hot path', () => {
     }
   });
 
+  it('SIGTERM during a Redis outage with commits queued: unfinished said, and the next run flags what may be doubled', async () => {
+    const { redisUrl } = servers();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const messages = plainMessages(source, 1500);
+    await publishAll(sourceUrl, source, messages);
+    const proxy = FaultProxy.forUrl(redisUrl);
+    await proxy.start();
+    proxy.setDelay(20);
+    try {
+      const args = withOption(
+        runArgs(
+          source,
+          ['--target-queue', target],
+          '--batch-size',
+          '25',
+          '--prefetch',
+          '300',
+          '--lease',
+          '2s',
+          '--shutdown-timeout',
+          '1s',
+        ),
+        '--redis',
+        proxy.urlFor(redisUrl),
+      );
+      const bridge = startCli(args);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 200, 60_000)).toBe(true);
+      // Redis goes silent: claims and commits out wait, confirmed batches queue behind the commit.
+      proxy.setMode('blackhole');
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+      bridge.signal('SIGTERM');
+      const result = await bridge.done;
+      expect(result.code, result.stderr).toBe(0);
+      const stopped = result.stdout.split('\n').find((line) => line.includes('"msg":"stopped"'));
+      expect(stopped, result.stdout).toBeDefined();
+      const unfinished = (JSON.parse(stopped as string) as { unfinished: number }).unfinished;
+      expect(unfinished).toBeGreaterThan(0);
+      // Published and not committed: on the target and back in the source, as many as it said.
+      const first = await takeRaw(targetUrl, target);
+      const firstIds = new Set(first.map((m) => idOf(m.header).id));
+      const left = (await takeRaw(sourceUrl, source)).map((m) => idOf(m.header).id);
+      expect(left.filter((id) => firstIds.has(id)).length).toBeLessThanOrEqual(unfinished);
+      await publishAll(
+        sourceUrl,
+        source,
+        messages.filter((m) => left.includes(m.options.headers[ID] as string)),
+      );
+      // Redis back; the next run forwards the rest, flagging the copies it cannot rule out.
+      proxy.setMode('pass');
+      proxy.resetAll();
+      proxy.setDelay(0);
+      const again = await migrateWithReport(
+        withOption(
+          migrateArgs(source, ['--target-queue', target], '--lease', '2s'),
+          '--redis',
+          proxy.urlFor(redisUrl),
+        ),
+      );
+      expect(again.code, again.stderr).toBe(0);
+      expect(await depthOf(sourceUrl, source)).toBe(0);
+      expectOnceOrFlagged(
+        'SIGTERM in a Redis outage, then a second run',
+        messages.map((m) => m.options.headers[ID] as string),
+        [...first, ...(await takeRaw(targetUrl, target))],
+      );
+    } finally {
+      await proxy.stop();
+    }
+  });
+
   it('copies of one ID in one batch and in batches queued behind each other: forwarded once', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     // Each ID five times, the copies spread over the queue and next to each other.
