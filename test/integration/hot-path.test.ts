@@ -379,6 +379,44 @@ describe('the hot path', () => {
     }
   });
 
+  it("a slow target line fills amqplib's write buffer mid-batch: the rest of the batch waits for drain, none lost or doubled", async () => {
+    const { targetUrl } = servers();
+    const { sourceUrl, source, target } = await queuePair();
+    const ids = Array.from({ length: 240 }, (_, i) => `${source}-${i}`);
+    const bodyOf = (i: number) => Buffer.alloc(60_000, i & 0xff);
+    await publishAll(
+      sourceUrl,
+      source,
+      ids.map((id, i) => ({ body: bodyOf(i), options: { headers: { [ID]: id } } })),
+    );
+    const proxy = FaultProxy.forUrl(targetUrl);
+    await proxy.start();
+    // 14 MB over a 4 MB/s line: the bridge's writes outrun it and wait for 'drain'.
+    proxy.setRate(4_000_000);
+    try {
+      const run = await migrateWithReport(
+        withOption(
+          migrateArgs(source, ['--target-queue', target], '--batch-size', '50', '--prefetch', '240'),
+          '--target',
+          proxy.urlFor(targetUrl),
+        ),
+      );
+      expect(run.code, run.stderr).toBe(0);
+      expect(run.report).toMatchObject({ forwarded: 240, inDoubt: 0, remaining: 0 });
+    } finally {
+      await proxy.stop();
+    }
+    const arrived = await takeRaw(targetUrl, target);
+    const read = arrived.map((m) => ({ id: idOf(m.header).id, body: m.body }));
+    const count = countDelivery(
+      'drain',
+      ids,
+      read.map((m) => m.id),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    for (const m of read) expect(m.body.equals(bodyOf(ids.indexOf(m.id))), m.id).toBe(true);
+  });
+
   it('copies of one ID in one batch and in batches queued behind each other: forwarded once', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     // Each ID five times, the copies spread over the queue and next to each other.
