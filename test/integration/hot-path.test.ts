@@ -417,6 +417,50 @@ describe('the hot path', () => {
     for (const m of read) expect(m.body.equals(bodyOf(ids.indexOf(m.id))), m.id).toBe(true);
   });
 
+  it('the source connection cut while batches wait behind the two claims out: each message forwarded once', async () => {
+    const { redisUrl } = servers();
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const messages = plainMessages(source, 1500);
+    await publishAll(sourceUrl, source, messages);
+    const redisProxy = FaultProxy.forUrl(redisUrl);
+    const sourceProxy = FaultProxy.forUrl(sourceUrl);
+    await redisProxy.start();
+    await sourceProxy.start();
+    // A slow Redis keeps batches waiting for a claim call; then their channel goes.
+    redisProxy.setDelay(30);
+    try {
+      let args = runArgs(source, ['--target-queue', target], '--batch-size', '20', '--prefetch', '400');
+      args = withOption(args, '--redis', redisProxy.urlFor(redisUrl));
+      args = withOption(args, '--source', sourceProxy.urlFor(sourceUrl));
+      const bridge = startCli(args);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 150, 60_000)).toBe(true);
+      sourceProxy.resetAll();
+      redisProxy.setDelay(0);
+      expect(
+        await waitFor(
+          async () =>
+            (await depthOf(sourceUrl, source)) === 0 && (await depthOf(targetUrl, target)) >= messages.length,
+          90_000,
+        ),
+      ).toBe(true);
+      bridge.signal('SIGTERM');
+      const result = await bridge.done;
+      expect(result.code, result.stderr).toBe(0);
+      expect(result.stdout).toMatch(/source broker.*: lost; reconnecting/);
+    } finally {
+      await sourceProxy.stop();
+      await redisProxy.stop();
+    }
+    const arrived = await takeRaw(targetUrl, target);
+    const count = countDelivery(
+      'source cut',
+      messages.map((m) => m.options.headers[ID] as string),
+      arrived.map((m) => idOf(m.header).id),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+  });
+
   it('copies of one ID in one batch and in batches queued behind each other: forwarded once', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     // Each ID five times, the copies spread over the queue and next to each other.
