@@ -24,6 +24,7 @@ import {
   withOption,
 } from '../helpers.js';
 import { array, basicProperties, bool, field, int32, longString, table } from '../wire.js';
+import { adminServers } from './privilege-admin.js';
 
 // The bridge's hot path: bodies copied out of the socket read, content headers spliced into one
 // buffer, one promise per batch of publishes, at most two claim calls out, commits coalesced. Each
@@ -459,6 +460,67 @@ describe('the hot path', () => {
     );
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     expect(await depthOf(sourceUrl, source)).toBe(0);
+  });
+
+  it('messages the target closes its channel over, amid batches that confirm: only they are refused, the rest arrive', async () => {
+    const admin = await adminServers();
+    await admin.targetCtl('eval', 'application:set_env(rabbit, max_message_size, 65536).');
+    try {
+      const { sourceUrl, targetUrl, redisUrl } = admin;
+      const source = uniqueName('poison-src');
+      const target = uniqueName('poison-dst');
+      const held = uniqueName('poison-held');
+      const setup = await openBroker(sourceUrl);
+      await setup.channel.assertQueue(held, { durable: true });
+      await setup.channel.assertQueue(source, {
+        durable: true,
+        arguments: { 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': held },
+      });
+      await setup.close();
+      const targetSetup = await openBroker(targetUrl);
+      await targetSetup.channel.assertQueue(target, { durable: true });
+      await targetSetup.close();
+      const poisonAt = new Set([100, 301, 302, 550]);
+      const ids = Array.from({ length: 600 }, (_, i) => `${source}-${i}`);
+      await publishAll(
+        sourceUrl,
+        source,
+        ids.map((id, i) => ({
+          body: poisonAt.has(i) ? Buffer.alloc(70_000, 1) : `body of ${id}`,
+          options: { headers: { [ID]: id } },
+        })),
+      );
+      const run = await migrateWithReport([
+        'migrate',
+        '--source',
+        sourceUrl,
+        '--source-queue',
+        source,
+        '--target',
+        targetUrl,
+        '--target-queue',
+        target,
+        '--redis',
+        redisUrl,
+        '--idle-timeout',
+        '300ms',
+        '--batch-size',
+        '50',
+        '--prefetch',
+        '200',
+        '--on-unroutable',
+        'dead-letter',
+      ]);
+      expect(run.code, run.stderr).toBe(0);
+      expect(run.report).toMatchObject({ forwarded: 596, nacked: 4, deadLettered: 4, remaining: 0 });
+      const innocent = ids.filter((_, i) => !poisonAt.has(i));
+      expectOnceOrFlagged('poison', innocent, await takeRaw(targetUrl, target));
+      const refused = (await takeRaw(sourceUrl, held)).map((m) => idOf(m.header).id).sort();
+      expect(refused).toEqual(ids.filter((_, i) => poisonAt.has(i)).sort());
+    } finally {
+      await admin.targetCtl('eval', 'application:set_env(rabbit, max_message_size, 134217728).');
+      await admin.stop();
+    }
   });
 
   it('copies of one ID in one batch and in batches queued behind each other: forwarded once', async () => {
