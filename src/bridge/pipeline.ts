@@ -490,8 +490,10 @@ export class Pipeline {
     return new Promise((resolve, reject) => {
       const answered = (index: number, outcome: PublishOutcome) => {
         outcomes[index] = outcome;
+        // Per confirmed message, at its own confirm: the metric is per forwarded message, and a
+        // batch's slowest answer (or a returned message) is not every message's confirm.
+        if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
         if (--left > 0) return;
-        this.onLatency('confirm', secondsSince(started), entries.length);
         resolve(outcomes);
       };
       entries.forEach((entry, index) => {

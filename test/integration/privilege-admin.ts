@@ -33,6 +33,8 @@ export interface AdminServers {
   /** Creates (or replaces) users with these permissions on vhost '/'. */
   addUsers(side: 'source' | 'target', users: NewUser[]): Promise<void>;
   deleteUsers(side: 'source' | 'target', names: string[]): Promise<void>;
+  /** rabbitmqctl against the target node (`-q` added), e.g. to set a broker limit. */
+  targetCtl: Ctl;
   stop(): Promise<void>;
 }
 
@@ -157,6 +159,7 @@ export async function adminServers(): Promise<AdminServers> {
         ),
       );
     },
+    targetCtl,
     stop,
   };
 }
