@@ -79,6 +79,18 @@ class PacedLink {
   };
 }
 
+/** A frame of type 1 on channel 0, empty, without its end octet (0xCE): amqplib cannot parse it. */
+const BAD_FRAME = Buffer.from([1, 0, 0, 0, 0, 0, 0, 0]);
+
+/** Whether a chunk from an AMQP server holds a basic.consume-ok method frame (class 60, method 21). */
+function hasConsumeOk(chunk: Buffer): boolean {
+  const method = Buffer.from([0, 60, 0, 21]);
+  for (let at = chunk.indexOf(method); at >= 0; at = chunk.indexOf(method, at + 1)) {
+    if (at >= 7 && chunk[at - 7] === 1) return true;
+  }
+  return false;
+}
+
 /**
  * A TCP fault proxy between the bridge and one server: passes bytes through, delays them, caps
  * their rate (a slow line, shared by every connection through the proxy), blackholes them
@@ -93,6 +105,9 @@ export class FaultProxy {
   private held: [Socket, Buffer][] = [];
   private cutAfter: number | undefined;
   private delayMs = 0;
+  private poisonConsumeOk = false;
+  /** Set once the armed consume-ok went by with a bad frame behind it. */
+  poisoned = false;
   /** Each direction of the line: to the server (up) and back (down). */
   private readonly links = {
     up: new PacedLink(undefined, (to, chunk) => this.deliver(to, chunk)),
@@ -151,6 +166,14 @@ export class FaultProxy {
             return;
           }
         }
+        if (from === upstream && this.poisonConsumeOk && hasConsumeOk(chunk)) {
+          // A frame the client cannot parse, in the same write as the consume-ok; then nothing flows.
+          this.poisonConsumeOk = false;
+          this.poisoned = true;
+          this.deliver(to, Buffer.concat([chunk, BAD_FRAME]));
+          this.setMode('blackhole');
+          return;
+        }
         // Bytes still queued on the line go first, also after the cap was lifted.
         if (link.limited || lane.slices.length > 0) link.send(lane, chunk);
         else this.deliver(to, chunk);
@@ -192,6 +215,16 @@ export class FaultProxy {
   /** Resets every connection once `bytes` more bytes went from the clients to the server. */
   resetAfter(bytes: number): void {
     this.cutAfter = bytes;
+  }
+
+  /**
+   * AMQP: the next basic.consume-ok from the server reaches the client with an unparseable frame
+   * right behind it, in one write (the client's parser fails in the same read that answered its
+   * consume, as amqplib did on a 12,000-deep header table); the proxy then blackholes (setMode).
+   */
+  poisonNextConsumeOk(): void {
+    this.poisonConsumeOk = true;
+    this.poisoned = false;
   }
 
   setDelay(ms: number): void {
