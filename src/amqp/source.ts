@@ -221,7 +221,7 @@ export class SourceQueue {
     this.deliveredOn.set(message, channel);
     this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
     handler(message);
-    if (this.bytes.full) this.flow();
+    if (this.bytes.full || !this.window.sized) this.flow();
   }
 
   /** The body of a message the bridge no longer holds leaves the byte count. */
@@ -229,8 +229,8 @@ export class SourceQueue {
     if (!this.counted.delete(message)) return;
     const bytes = this.bytes;
     bytes.release(message.content.length);
-    // Only when it may change something: a paused consumer may come back, a sized window grow.
-    if (this.paused ? bytes.mayResume : this.window.sized && bytes.count === 0) this.flow();
+    // Only when it may change something: a paused consumer may come back, a window open or grow.
+    if (this.paused ? bytes.mayResume : bytes.count === 0) this.flow();
   }
 
   /** Pauses or resumes the consumer for the byte bound, one change at a time. */
@@ -257,14 +257,20 @@ export class SourceQueue {
     const tag = this.consumerTag;
     const bytes = this.bytes;
     if (tag !== undefined) {
-      // A window sized by the bodies seen keeps the bound by itself; the whole prefetch does not.
-      const pause = this.overflowed || (bytes.full && !this.window.sized);
-      // Bodies got smaller: once nothing is held, a window twice as large or more is worth a new consumer.
+      // A body came past the bound: the window is too large for the bodies coming now.
+      const pause = this.overflowed;
+      // The first body tells the size: the window of one opens to as many as fit.
+      const size = !this.window.sized && bytes.sizeKnown;
+      // Once nothing is held, a window twice as large (the bodies got smaller), or the whole
+      // prefetch (a window opened while messages were held was that much smaller), is worth a
+      // new consumer.
+      const next = bytes.windowFor(this.prefetch).window;
+      const current = this.window.window;
       const grow =
         this.window.sized &&
         bytes.count === 0 &&
-        bytes.windowFor(this.prefetch).window >= 2 * this.window.window;
-      if (!pause && !grow) return;
+        (next >= 2 * current || (next === this.prefetch && current < next));
+      if (!pause && !size && !grow) return;
       this.paused = true;
       this.consumerTag = undefined;
       // What was delivered before the cancel stays ours to ack; nothing comes after its cancel-ok.

@@ -119,15 +119,22 @@ export class InFlightBytes {
 
   /**
    * The prefetch for a new consumer: as many bodies of the typical size as fit in what is free
-   * of the bound, at least 1 and at most `prefetch` less what is held; `sized` is false when no
-   * size is known yet (then the window is the whole prefetch).
+   * of the bound, at least 1 and at most `prefetch` less what is held. Before any body was seen
+   * it is 1, not sized: the broker may send a whole window before the bridge can react, and the
+   * first body tells the size to open it to.
    */
   windowFor(prefetch: number): { window: number; sized: boolean } {
     const most = Math.max(1, prefetch - this.count);
+    if (this.bound === Number.POSITIVE_INFINITY) return { window: most, sized: true };
     const typical = this.typical;
-    if (typical === 0) return { window: most, sized: false };
+    if (typical === 0) return { window: 1, sized: false };
     const fit = Math.floor((this.bound - this.held) / typical);
     return { window: Math.min(most, Math.max(1, fit)), sized: true };
+  }
+
+  /** Whether a body was seen since the last drain or before it (a window can be sized). */
+  get sizeKnown(): boolean {
+    return this.typical > 0;
   }
 
   /** A paused consumer may come back: nothing held, or half the bound free and room for a typical body. */
