@@ -356,6 +356,15 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     throw new ConfigError('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
   }
   const tls = resolveTlsSettings(raw, options);
+  const maxInFlightBytes = parseSize(
+    raw.maxInFlightBytes ?? DEFAULTS.maxInFlightBytes,
+    FLAG.maxInFlightBytes as string,
+  );
+  if (maxInFlightBytes < 1) {
+    throw new ConfigError(
+      `${FLAG.maxInFlightBytes}: must be at least 1 byte (a body bigger than the bound still passes, alone)`,
+    );
+  }
 
   return {
     route: options.sourceQueue,
@@ -375,10 +384,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     idFrom: parseIdFrom(raw.idFrom ?? DEFAULTS.idFrom),
     dedupWindowMs,
     prefetch: options.prefetch,
-    maxInFlightBytes: parseSize(
-      raw.maxInFlightBytes ?? DEFAULTS.maxInFlightBytes,
-      FLAG.maxInFlightBytes as string,
-    ),
+    maxInFlightBytes,
     batchSize: options.batchSize,
     cacheShards: options.cacheShards,
     leaseMs,
