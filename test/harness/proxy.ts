@@ -106,6 +106,10 @@ export class FaultProxy {
   private cutAfter: number | undefined;
   private delayMs = 0;
   private poisonConsumeOk = false;
+  /** AMQP methods (class << 16 | method) the server sends that never reach the client. */
+  private readonly swallowed = new Set<number>();
+  /** How many frames were swallowed. */
+  swallowedCount = 0;
   /** Set once the armed consume-ok went by with a bad frame behind it. */
   poisoned = false;
   /** Each direction of the line: to the server (up) and back (down). */
@@ -155,7 +159,16 @@ export class FaultProxy {
       const link = from === client ? this.links.up : this.links.down;
       const lane: Lane = { from, to, slices: [], bytes: 0 };
       lanes.push([link, lane]);
-      from.on('data', (chunk: Buffer) => {
+      // Server bytes not yet a whole frame, while frames are being swallowed.
+      let partial: Buffer = Buffer.alloc(0);
+      from.on('data', (data: Buffer) => {
+        let chunk = data;
+        if (from === upstream && (this.swallowed.size > 0 || partial.length > 0)) {
+          const kept = this.swallow(Buffer.concat([partial, chunk]));
+          partial = kept.partial;
+          chunk = kept.whole;
+          if (chunk.length === 0) return;
+        }
         if (from === client && this.cutAfter !== undefined) {
           // Pass exactly the bytes left before the cut, then reset the connection mid-stream.
           const room = this.cutAfter;
@@ -225,6 +238,27 @@ export class FaultProxy {
   poisonNextConsumeOk(): void {
     this.poisonConsumeOk = true;
     this.poisoned = false;
+  }
+
+  /** AMQP: server frames of this method (e.g. basic.cancel, 60/30) are dropped, not passed on. */
+  swallowServerMethod(classId: number, methodId: number): void {
+    this.swallowed.add((classId << 16) | methodId);
+  }
+
+  /** Splits server bytes into whole frames (minus the swallowed ones) and a partial rest. */
+  private swallow(bytes: Buffer): { whole: Buffer; partial: Buffer } {
+    const kept: Buffer[] = [];
+    let at = 0;
+    while (bytes.length - at >= 8) {
+      const size = bytes.readUInt32BE(at + 3);
+      const end = at + 7 + size + 1;
+      if (bytes.length < end) break;
+      const method = bytes[at] === 1 && size >= 4 ? bytes.readUInt32BE(at + 7) : -1;
+      if (this.swallowed.has(method)) this.swallowedCount++;
+      else kept.push(bytes.subarray(at, end));
+      at = end;
+    }
+    return { whole: Buffer.concat(kept), partial: Buffer.from(bytes.subarray(at)) };
   }
 
   setDelay(ms: number): void {

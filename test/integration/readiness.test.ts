@@ -161,4 +161,38 @@ describe('readiness is what the source broker sees', () => {
       await proxy.stop();
     }
   }, 180_000);
+
+  it('a consumer the broker dropped without a word reaching the bridge: not ready, then the bridge reconnects itself once the broker twice lists no consumer', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const proxy = FaultProxy.forUrl(sourceUrl);
+    await proxy.start();
+    const bridge = bridgeThrough(proxy, source, target, sourceUrl);
+    try {
+      const url = await metricsUrl(bridge);
+      const ready = await untilAgreed(url, sourceUrl, source, 'ready');
+      expect(ready.agreed, JSON.stringify(ready)).toBe(true);
+
+      // The broker's basic.cancel (class 60, method 30) never reaches the bridge; everything else does.
+      proxy.swallowServerMethod(60, 30);
+      const admin = await openBroker(sourceUrl);
+      try {
+        await admin.channel.deleteQueue(source);
+      } finally {
+        await admin.close();
+      }
+      await declareQueue(sourceUrl, source);
+      expect(await waitFor(() => proxy.swallowedCount === 1)).toBe(true);
+      const down = await untilAgreed(url, sourceUrl, source, 'not ready');
+      expect(down.agreed, `${JSON.stringify(down)}\n${bridge.output()}`).toBe(true);
+
+      const again = await untilAgreed(url, sourceUrl, source, 'ready');
+      expect(again.agreed, `${JSON.stringify(again)}\n${bridge.output()}`).toBe(true);
+      expect(bridge.output()).toContain('the broker lists no consumer on the queue');
+      await forwardsAll('after-silent-drop', sourceUrl, source, targetUrl, target);
+    } finally {
+      bridge.signal('SIGTERM');
+      await bridge.done;
+      await proxy.stop();
+    }
+  }, 180_000);
 });
