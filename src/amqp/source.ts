@@ -190,6 +190,8 @@ export class SourceQueue {
     this.overflowed = false;
     this.paused = false;
     this.unlisted = 0;
+    // The broker's word on the new consumer at once, not at the next poll.
+    void this.depth();
     this.flow();
   }
 

@@ -172,8 +172,10 @@ describe('readiness is what the source broker sees', () => {
       const ready = await untilAgreed(url, sourceUrl, source, 'ready');
       expect(ready.agreed, JSON.stringify(ready)).toBe(true);
 
-      // The broker's basic.cancel (class 60, method 30) never reaches the bridge; everything else does.
+      // The broker's basic.cancel (class 60, method 30) never reaches the bridge; everything else
+      // does, once the queue is back (a passive declare meanwhile would find no queue).
       proxy.swallowServerMethod(60, 30);
+      proxy.setMode('blackhole');
       const admin = await openBroker(sourceUrl);
       try {
         await admin.channel.deleteQueue(source);
@@ -181,6 +183,7 @@ describe('readiness is what the source broker sees', () => {
         await admin.close();
       }
       await declareQueue(sourceUrl, source);
+      proxy.setMode('pass');
       expect(await waitFor(() => proxy.swallowedCount === 1)).toBe(true);
       const down = await untilAgreed(url, sourceUrl, source, 'not ready');
       expect(down.agreed, `${JSON.stringify(down)}\n${bridge.output()}`).toBe(true);
