@@ -9,6 +9,13 @@ import { encodeValue, rawField } from './fields.js';
 import { publishRaw } from './internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './properties.js';
 
+// The channel that delivered a message, kept on the message itself: a WeakMap entry per message
+// cost the garbage collector more than the rest of the lookup.
+const DELIVERED_ON = Symbol('dedup-bridge.delivered-on');
+/** Set on a message whose body counts against --max-in-flight-bytes, until it is released. */
+const COUNTED = Symbol('dedup-bridge.counted');
+type Delivered = ConsumeMessage & { [DELIVERED_ON]?: Channel; [COUNTED]?: boolean };
+
 /** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
 interface AckState {
   unsettled: Set<number>;
@@ -76,15 +83,12 @@ export class SourceQueue {
   private overflowed = false;
   private flowing: Promise<void> | undefined;
   private flowAgain = false;
-  /** The bodies counted in `bytes`, each released once. */
-  private readonly counted = new WeakSet<ConsumeMessage>();
   /** The broker's last answer about the queue, and the last one asked while our consumer was live. */
   private view: QueueView | undefined;
   private consumingView: QueueView | undefined;
   /** Answers in a row that listed no consumer while ours was live. */
   private unlisted = 0;
   private onMessage: ((message: ConsumeMessage) => void) | undefined;
-  private readonly deliveredOn = new WeakMap<ConsumeMessage, Channel>();
   private readonly ackStates = new WeakMap<Channel, AckState>();
   private parkSeq = 0;
   private readonly parkPending = new Map<number, { returned: boolean }>();
@@ -219,8 +223,8 @@ export class SourceQueue {
       this.flow();
       return;
     }
-    this.counted.add(message);
-    this.deliveredOn.set(message, channel);
+    (message as Delivered)[COUNTED] = true;
+    (message as Delivered)[DELIVERED_ON] = channel;
     this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
     handler(message);
     if (this.bytes.full || !this.window.sized) this.flow();
@@ -228,7 +232,8 @@ export class SourceQueue {
 
   /** The body of a message the bridge no longer holds leaves the byte count. */
   private release(message: ConsumeMessage): void {
-    if (!this.counted.delete(message)) return;
+    if (!(message as Delivered)[COUNTED]) return;
+    (message as Delivered)[COUNTED] = false;
     const bytes = this.bytes;
     bytes.release(message.content.length);
     // Only when it may change something: a paused consumer may come back, a window open or grow.
@@ -400,7 +405,7 @@ export class SourceQueue {
   }
 
   private liveChannelOf(message: ConsumeMessage): Channel | undefined {
-    const channel = this.deliveredOn.get(message);
+    const channel = (message as Delivered)[DELIVERED_ON];
     return channel !== undefined && channel === this.channel ? channel : undefined;
   }
 
