@@ -124,9 +124,12 @@ export class AmqpLink {
       await connection.close().catch(() => {});
       throw new ConnectCancelled('closing');
     }
+    // Closed while the channels were opened: a reconnect tries again (with backoff); a first
+    // connect counts as made and lost at once, so that the reconnect loop takes over.
+    if (closed && this.reconnecting)
+      throw new Error(`closed while opening channels: ${lastError ?? 'closed'}`);
     this.connection = connection;
     this.downSince = undefined;
-    // Closed while the channels were opened: lost at once (teardown, then reconnect).
     if (closed) this.lost(connection, lastError ?? 'connection closed');
   }
 
