@@ -89,7 +89,8 @@ export class InFlightBytes {
   /** Whether a delivery of `size` bytes may be taken: it fits, or nothing else is held. */
   admit(size: number): boolean {
     this.peak = Math.max(this.peak, this.held + size);
-    this.largest = Math.max(this.largest, size);
+    // An empty body counts as one byte here, so that it too tells that bodies were seen.
+    this.largest = Math.max(this.largest, size, 1);
     if (this.count > 0 && this.held + size > this.bound) {
       this.returned++;
       return false;

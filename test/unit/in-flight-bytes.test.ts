@@ -29,6 +29,14 @@ describe('InFlightBytes (--max-in-flight-bytes)', () => {
     expect(bytes.windowFor(500)).toEqual({ window: 500, sized: true });
   });
 
+  it('empty bodies open the window to the whole prefetch', () => {
+    const bytes = new InFlightBytes(16 * MiB);
+    bytes.admit(0);
+    expect(bytes.windowFor(500)).toEqual({ window: 499, sized: true });
+    bytes.release(0);
+    expect(bytes.windowFor(500)).toEqual({ window: 500, sized: true });
+  });
+
   it('a paused consumer comes back when half the bound is free and a body of the size seen fits, or nothing is held', () => {
     const bytes = new InFlightBytes(16 * MiB);
     for (let i = 0; i < 3; i++) bytes.admit(5 * MiB);
