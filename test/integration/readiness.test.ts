@@ -122,7 +122,7 @@ describe('readiness is what the source broker sees', () => {
     }
   }, 180_000);
 
-  it('a consumer the broker cancelled (its queue deleted and declared again) while word of it is held up: not ready within 10 s of asking, ready again once the broker lists it', async () => {
+  it('a consumer the broker cancelled (its queue deleted and declared again) while word of it is held up: not ready once answers from the broker stop coming (documented: within 10 s), ready again once the broker lists it', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const proxy = FaultProxy.forUrl(sourceUrl);
     await proxy.start();
