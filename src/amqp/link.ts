@@ -98,6 +98,22 @@ export class AmqpLink {
     this.identity = `${clusterNameOf(connection) ?? hostOf(url)}/${vhostOf(url)}`;
     // A failed setup (e.g. that node is out of the cluster) or a later loss moves on to the next node.
     this.next = (index + 1) % this.urls.length;
+    // Listening before the setup: amqplib may close the connection in the same read that answered
+    // the setup's last call (a frame it cannot parse right after basic.consume-ok), and a close
+    // missed then would leave the link up on a dead connection for good.
+    let lastError: string | undefined;
+    let closed = false;
+    connection.on('close', () => {
+      closed = true;
+      this.lost(connection, lastError ?? 'connection closed');
+    });
+    connection.on('error', (error: Error) => {
+      lastError = describe(error);
+      this.options.log.debug(
+        { side: this.options.side, error: lastError },
+        `${this.where}: connection error`,
+      );
+    });
     try {
       await this.setup(connection);
     } catch (error) {
@@ -108,18 +124,13 @@ export class AmqpLink {
       await connection.close().catch(() => {});
       throw new ConnectCancelled('closing');
     }
+    // Closed while the channels were opened: a reconnect tries again (with backoff); a first
+    // connect counts as made and lost at once, so that the reconnect loop takes over.
+    if (closed && this.reconnecting)
+      throw new Error(`closed while opening channels: ${lastError ?? 'closed'}`);
     this.connection = connection;
     this.downSince = undefined;
-    // The error that ends a connection is told in the one "lost" line; alone it is a debug detail.
-    let lastError: string | undefined;
-    connection.on('close', () => this.lost(connection, lastError ?? 'connection closed'));
-    connection.on('error', (error: Error) => {
-      lastError = describe(error);
-      this.options.log.debug(
-        { side: this.options.side, error: lastError },
-        `${this.where}: connection error`,
-      );
-    });
+    if (closed) this.lost(connection, lastError ?? 'connection closed');
   }
 
   /** Drops the connection (e.g. after a channel was closed by the server) and reconnects. */

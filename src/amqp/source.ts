@@ -1,4 +1,5 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message } from 'amqplib';
+import { InFlightBytes } from '../bridge/limits.js';
 import { type BridgeError, FatalConnectError } from '../errors.js';
 import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
@@ -11,7 +12,9 @@ import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './prope
 // The channel that delivered a message, kept on the message itself: a WeakMap entry per message
 // cost the garbage collector more than the rest of the lookup.
 const DELIVERED_ON = Symbol('dedup-bridge.delivered-on');
-type Delivered = ConsumeMessage & { [DELIVERED_ON]?: Channel };
+/** Set on a message whose body counts against --max-in-flight-bytes, until it is released. */
+const COUNTED = Symbol('dedup-bridge.counted');
+type Delivered = ConsumeMessage & { [DELIVERED_ON]?: Channel; [COUNTED]?: boolean };
 
 /** Per consuming channel: delivery tags not yet acked or nacked (in order), and those to ack. */
 interface AckState {
@@ -38,6 +41,23 @@ function tagged(deliveryTag: number): Message {
   return { fields: { deliveryTag } } as Message;
 }
 
+/**
+ * How old the broker's last word on the queue may be for the route to count as consuming: the
+ * metrics server asks every 2 s (a passive queue.declare on the source connection), so this
+ * allows for answers that take a few seconds; an unanswered ask makes the route not ready by then.
+ */
+export const BROKER_VIEW_MAX_AGE_MS = 10_000;
+
+/** What the broker said of the queue in answer to a passive declare sent at `sentAt`. */
+interface QueueView {
+  messages: number;
+  consumers: number;
+  sentAt: number;
+  /** The consuming channel and consumer (its consume-ok's number) live when it was asked. */
+  channel: Channel | undefined;
+  consumer: number | undefined;
+}
+
 /** Matches a parked copy that came back unroutable to its publish. */
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';
 const PARK_HEADERS = [PARK_REASON_HEADER, PARK_SEQ_HEADER];
@@ -53,6 +73,21 @@ export class SourceQueue {
   private probe: Channel | undefined;
   private parkChannel: ConfirmChannel | undefined;
   private consumerTag: string | undefined;
+  /** Counts consume-oks, so that a broker's answer can be told to be about the live consumer. */
+  private consumerSeq = 0;
+  /** The prefetch of the live consumer, and whether it was sized by the bodies seen. */
+  private window = { window: 0, sized: false };
+  /** True while the consumer is cancelled because the bodies held reached the byte bound. */
+  private paused = false;
+  /** Set when a delivery was returned for the bound since the consumer started: it must pause. */
+  private overflowed = false;
+  private flowing: Promise<void> | undefined;
+  private flowAgain = false;
+  /** The broker's last answer about the queue, and the last one asked while our consumer was live. */
+  private view: QueueView | undefined;
+  private consumingView: QueueView | undefined;
+  /** Answers in a row that listed no consumer while ours was live. */
+  private unlisted = 0;
   private onMessage: ((message: ConsumeMessage) => void) | undefined;
   private readonly ackStates = new WeakMap<Channel, AckState>();
   private parkSeq = 0;
@@ -71,6 +106,8 @@ export class SourceQueue {
     private readonly parkQueue: string | undefined,
     private readonly where: string,
     private readonly log: Logger,
+    /** The bodies held against --max-in-flight-bytes (by default: no bound). */
+    readonly bytes: InFlightBytes = new InFlightBytes(Number.POSITIVE_INFINITY),
   ) {}
 
   /** Opens the channels on a fresh connection; fails fatally when a queue is missing. */
@@ -101,8 +138,11 @@ export class SourceQueue {
       this.parkChannel = park;
     }
     const channel = await openChannel(connection, this.log);
-    await channel.prefetch(this.prefetch);
+    // A channel closed before the connection is up cannot reset it (it is not up yet): said here.
+    let closedEarly: string | undefined;
     const broken = (what: string) => () => {
+      closedEarly ??= what;
+      if (this.channel === channel) this.consumerTag = undefined;
       if (this.attachments === attachment && this.channel === channel) this.onBroken(`${what} closed`);
     };
     channel.on('close', broken('source channel'));
@@ -110,6 +150,7 @@ export class SourceQueue {
     this.probe = probe;
     this.channel = channel;
     if (this.onMessage) await this.startConsumer(channel, attachment > 1);
+    if (closedEarly !== undefined) throw new Error(`${closedEarly} closed while opening`);
   }
 
   /** Forgets the channels of a lost connection: their unacked messages go back to the queue. */
@@ -120,6 +161,8 @@ export class SourceQueue {
     this.probe = undefined;
     this.parkChannel = undefined;
     this.consumerTag = undefined;
+    this.paused = false;
+    this.overflowed = false;
   }
 
   async consume(onMessage: (message: ConsumeMessage) => void): Promise<void> {
@@ -131,25 +174,116 @@ export class SourceQueue {
     if (again) await this.beforeConsume();
     if (this.channel !== channel || !this.onMessage) return;
     const handler = this.onMessage;
+    // basic.qos applies to the consumers started after it: each consumer gets the window that fits.
+    const window = this.bytes.windowFor(this.prefetch);
+    await channel.prefetch(window.window);
     const reply = await channel
-      .consume(
-        this.queue,
-        (message) => {
-          if (message === null) {
-            if (this.channel === channel) this.onBroken('the broker cancelled the consumer');
-            return;
-          }
-          (message as Delivered)[DELIVERED_ON] = channel;
-          this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
-          handler(message);
-        },
-        { noAck: false },
-      )
+      .consume(this.queue, (message) => this.deliver(channel, handler, message), { noAck: false })
       .catch((error: unknown) => {
         if (replyCodeOf(error) === 403) throw accessRefused(`--source-queue: ${this.where}`, error, 'read');
         throw error;
       });
+    if (this.channel !== channel || !this.onMessage) {
+      // Stopped or reconnected meanwhile: this consumer is not wanted.
+      await channel.cancel(reply.consumerTag).catch(() => {});
+      return;
+    }
     this.consumerTag = reply.consumerTag;
+    this.consumerSeq++;
+    this.window = window;
+    this.overflowed = false;
+    this.paused = false;
+    this.unlisted = 0;
+    // The broker's word on the new consumer at once, not at the next poll.
+    void this.depth();
+    this.flow();
+  }
+
+  /** One delivery: returned unread when it does not fit the byte bound, else handed on. */
+  private deliver(
+    channel: Channel,
+    handler: (message: ConsumeMessage) => void,
+    message: ConsumeMessage | null,
+  ) {
+    if (message === null) {
+      if (this.channel === channel) {
+        this.consumerTag = undefined;
+        this.onBroken('the broker cancelled the consumer');
+      }
+      return;
+    }
+    if (!this.bytes.admit(message.content.length)) {
+      // Its body is dropped at once; the broker delivers it again once the consumer is back.
+      this.overflowed = true;
+      try {
+        channel.nack(message, false, true);
+      } catch {
+        // The channel closed: the broker gives it back anyway.
+      }
+      this.flow();
+      return;
+    }
+    (message as Delivered)[COUNTED] = true;
+    (message as Delivered)[DELIVERED_ON] = channel;
+    this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
+    handler(message);
+    if (this.bytes.full || !this.window.sized) this.flow();
+  }
+
+  /** The body of a message the bridge no longer holds leaves the byte count. */
+  private release(message: ConsumeMessage): void {
+    if (!(message as Delivered)[COUNTED]) return;
+    (message as Delivered)[COUNTED] = false;
+    const bytes = this.bytes;
+    bytes.release(message.content.length);
+    // Only when it may change something: a paused consumer may come back, a window open or grow.
+    if (this.paused ? bytes.mayResume : bytes.count === 0) this.flow();
+  }
+
+  /** Pauses or resumes the consumer for the byte bound, one change at a time. */
+  private flow(): void {
+    if (this.flowing) {
+      this.flowAgain = true;
+      return;
+    }
+    this.flowing = this.changeFlow()
+      // A channel that closed under the change: its close resets the connection.
+      .catch((error: unknown) => this.log.debug({ error: String(error) }, 'source consumer change failed'))
+      .finally(() => {
+        this.flowing = undefined;
+        if (this.flowAgain) {
+          this.flowAgain = false;
+          this.flow();
+        }
+      });
+  }
+
+  private async changeFlow(): Promise<void> {
+    const channel = this.channel;
+    if (!channel || !this.onMessage) return;
+    const tag = this.consumerTag;
+    const bytes = this.bytes;
+    if (tag !== undefined) {
+      // A body came past the bound: the window is too large for the bodies coming now.
+      const pause = this.overflowed;
+      // The first body tells the size: the window of one opens to as many as fit.
+      const size = !this.window.sized && bytes.sizeKnown;
+      // Once nothing is held, a window twice as large (the bodies got smaller), or the whole
+      // prefetch (a window opened while messages were held was that much smaller), is worth a
+      // new consumer.
+      const next = bytes.windowFor(this.prefetch).window;
+      const current = this.window.window;
+      const grow =
+        this.window.sized &&
+        bytes.count === 0 &&
+        (next >= 2 * current || (next === this.prefetch && current < next));
+      if (!pause && !size && !grow) return;
+      this.paused = true;
+      this.consumerTag = undefined;
+      // What was delivered before the cancel stays ours to ack; nothing comes after its cancel-ok.
+      await channel.cancel(tag).catch(() => {});
+    }
+    if (this.paused && bytes.mayResume && this.channel === channel) await this.startConsumer(channel, false);
   }
 
   async stopConsuming(): Promise<void> {
@@ -164,13 +298,26 @@ export class SourceQueue {
     return this.channel !== undefined;
   }
 
-  /** True while the broker delivers to our consumer (false while reconnecting or stopping). */
-  get isConsuming(): boolean {
-    return this.consumerTag !== undefined;
+  /**
+   * Whether the route consumes as the broker sees it: our consumer is live (its consume-ok came,
+   * no cancel, its channel open) and the broker's answer to a passive declare on this connection,
+   * asked while it was live and at most BROKER_VIEW_MAX_AGE_MS ago, listed a consumer on the queue.
+   * `paused`: the bridge itself cancelled its consumer at the byte bound, and the broker answers.
+   */
+  consumption(now = Date.now()): { consuming: boolean; paused: boolean } {
+    const fresh = (view: QueueView | undefined): view is QueueView =>
+      view !== undefined && view.channel === this.channel && now - view.sentAt <= BROKER_VIEW_MAX_AGE_MS;
+    const answering = fresh(this.view);
+    const seen = this.consumingView;
+    return {
+      consuming: this.consumerTag !== undefined && answering && fresh(seen) && seen.consumers > 0,
+      paused: this.paused && this.consumerTag === undefined && answering,
+    };
   }
 
   /** Acks one message on the channel that delivered it. False when that channel is gone. */
   ack(message: ConsumeMessage): boolean {
+    this.release(message);
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
     const acks = this.acksOf(channel);
@@ -242,6 +389,7 @@ export class SourceQueue {
 
   /** Returns a message to the queue (requeue) or hands it to the queue's dead-letter exchange. */
   nack(message: ConsumeMessage, requeue: boolean): boolean {
+    this.release(message);
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
     const acks = this.acksOf(channel);
@@ -261,12 +409,40 @@ export class SourceQueue {
     return channel !== undefined && channel === this.channel ? channel : undefined;
   }
 
-  /** Ready messages in the queue (unacked ones not counted), or undefined when unknown. */
+  /**
+   * Ready messages in the queue (unacked ones not counted), or undefined when unknown. The answer
+   * (a passive declare on the probe channel) also says how many consumers the broker lists.
+   */
   async depth(): Promise<number | undefined> {
+    const probe = this.probe;
+    if (!probe) return undefined;
+    const sentAt = Date.now();
+    const channel = this.channel;
+    const consumer = this.consumerTag !== undefined ? this.consumerSeq : undefined;
     try {
-      return this.probe ? (await this.probe.checkQueue(this.queue)).messageCount : undefined;
+      const ok = await probe.checkQueue(this.queue);
+      const view = { messages: ok.messageCount, consumers: ok.consumerCount, sentAt, channel, consumer };
+      this.view = view;
+      if (consumer !== undefined) this.consumingView = view;
+      this.checkListed(view);
+      return ok.messageCount;
     } catch {
       return undefined;
+    }
+  }
+
+  /**
+   * Our consumer is live but the broker, asked after its consume-ok, lists none on the queue
+   * twice in a row: the consumer is gone without our hearing of it, and only a new connection
+   * brings it back.
+   */
+  private checkListed(view: QueueView): void {
+    const ours = view.channel === this.channel && view.consumer === this.consumerSeq;
+    if (!ours || this.consumerTag === undefined) return;
+    this.unlisted = view.consumers === 0 ? this.unlisted + 1 : 0;
+    if (this.unlisted >= 2) {
+      this.unlisted = 0;
+      this.onBroken('the broker lists no consumer on the queue');
     }
   }
 

@@ -9,7 +9,7 @@ import { DedupCache, newOwnerToken } from '../dedup/cache.js';
 import { connectRedis, type RedisClient } from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { MessageBudget } from './limits.js';
+import { InFlightBytes, MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
 // A broker under a resource alarm may never answer a channel close: then the connection's own
@@ -21,8 +21,13 @@ export interface RouteStatus {
   source: boolean;
   target: boolean;
   redis: boolean;
-  /** The broker delivers to our consumer (false while reconnecting or stopping). */
+  /**
+   * Our consumer is live and the broker, asked within the last 10 s on the same connection, lists
+   * a consumer on the queue (see SourceQueue.consumption).
+   */
   consuming: boolean;
+  /** The bridge paused its consumer itself: the bodies it holds reached --max-in-flight-bytes. */
+  paused: boolean;
   /** The target broker blocked publishing (a memory or disk alarm). */
   targetBlocked: boolean;
 }
@@ -73,6 +78,7 @@ export async function startBridge(
     settings.parkQueue,
     sourceWhere,
     routeLog,
+    new InFlightBytes(settings.maxInFlightBytes),
   );
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
@@ -272,7 +278,7 @@ export async function startBridge(
       source: sourceLink.isUp,
       target: targetLink.isUp,
       redis: connectedRedis.status === 'ready',
-      consuming: source.isConsuming,
+      ...source.consumption(),
       targetBlocked: target.isBlocked,
     }),
     stop: (timeoutMs: number) => pipeline.stop(timeoutMs),

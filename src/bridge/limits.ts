@@ -63,3 +63,83 @@ export class TokenBucket {
     }
   }
 }
+
+/**
+ * The bytes of source message bodies the bridge holds (delivered, not yet acked or returned), for
+ * --max-in-flight-bytes. RabbitMQ ignores a prefetch size, so the bridge keeps the bound itself: a
+ * delivery that would take the held bytes past the bound is returned unread (unless nothing else
+ * is held: a body at least as big as the bound passes alone), and the source consumer pauses and
+ * comes back with a window of as many messages as fit.
+ */
+export class InFlightBytes {
+  /** Bytes of the bodies held now. */
+  held = 0;
+  /** Messages held now. */
+  count = 0;
+  /** The most bytes the process held at once, counting a body that arrived and was returned. */
+  peak = 0;
+  /** Deliveries returned to the source unread because they did not fit. */
+  returned = 0;
+  /** The largest body seen since nothing was last held, and the one before that moment. */
+  private largest = 0;
+  private largestBefore = 0;
+
+  constructor(readonly bound: number) {}
+
+  /** Whether a delivery of `size` bytes may be taken: it fits, or nothing else is held. */
+  admit(size: number): boolean {
+    this.peak = Math.max(this.peak, this.held + size);
+    // An empty body counts as one byte here, so that it too tells that bodies were seen.
+    this.largest = Math.max(this.largest, size, 1);
+    if (this.count > 0 && this.held + size > this.bound) {
+      this.returned++;
+      return false;
+    }
+    this.held += size;
+    this.count++;
+    return true;
+  }
+
+  release(size: number): void {
+    this.held -= size;
+    this.count--;
+    if (this.count === 0) {
+      this.largestBefore = this.largest;
+      this.largest = 0;
+    }
+  }
+
+  get full(): boolean {
+    return this.held >= this.bound;
+  }
+
+  /** The body size the next deliveries are expected to have (0: none seen yet). */
+  private get typical(): number {
+    return this.count === 0 ? Math.max(this.largest, this.largestBefore) : this.largest;
+  }
+
+  /**
+   * The prefetch for a new consumer: as many bodies of the typical size as fit in what is free
+   * of the bound, at least 1 and at most `prefetch` less what is held. Before any body was seen
+   * it is 1, not sized: the broker may send a whole window before the bridge can react, and the
+   * first body tells the size to open it to.
+   */
+  windowFor(prefetch: number): { window: number; sized: boolean } {
+    const most = Math.max(1, prefetch - this.count);
+    if (this.bound === Number.POSITIVE_INFINITY) return { window: most, sized: true };
+    const typical = this.typical;
+    if (typical === 0) return { window: 1, sized: false };
+    const fit = Math.floor((this.bound - this.held) / typical);
+    return { window: Math.min(most, Math.max(1, fit)), sized: true };
+  }
+
+  /** Whether a body was seen since the last drain or before it (a window can be sized). */
+  get sizeKnown(): boolean {
+    return this.typical > 0;
+  }
+
+  /** A paused consumer may come back: nothing held, or half the bound free and room for a typical body. */
+  get mayResume(): boolean {
+    return this.count === 0 || (this.held <= this.bound / 2 && this.held + this.typical <= this.bound);
+  }
+}

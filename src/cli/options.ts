@@ -129,6 +129,12 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
       `how long a forwarded ID is remembered (default ${DEFAULTS.dedupWindow})`,
     )
     .option('--prefetch <n>', `unacked source messages in flight (default ${DEFAULTS.prefetch})`)
+    .addOption(
+      new Option(
+        '--max-in-flight-bytes <size>',
+        `bytes of source message bodies held at once, e.g. 64MiB; past it the consumer pauses (default ${DEFAULTS.maxInFlightBytes})`,
+      ).env('DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES'),
+    )
     .option('--batch-size <n>', `IDs per cache call (default ${DEFAULTS.batchSize})`)
     .option(
       '--cache-shards <n>',

@@ -22,6 +22,7 @@ import {
   SCOPE_PATTERN,
   unroutablePolicy,
 } from './settings.js';
+import { formatSize, parseSize } from './size.js';
 
 // A config file describes many routes for one `run` process. This module validates it with paths
 // (`routes[2].target.exchange: …`) and turns each route into RawOptions, so that resolveBridgeSettings
@@ -122,11 +123,24 @@ const idFrom = z
     }
   });
 
+// As --max-in-flight-bytes takes it: "64MiB", "512KiB", or a number of bytes.
+const size = z
+  .union([z.number(), z.string()], { error: 'must be a size, e.g. 64MiB' })
+  .transform(String)
+  .superRefine((value, ctx) => {
+    try {
+      parseSize(value, '');
+    } catch (error) {
+      ctx.addIssue({ code: 'custom', message: (error as Error).message.replace(/^: /, '') });
+    }
+  });
+
 /** Settings a route may set, and `defaults` may set for every route. */
 const routeSettings = {
   idFrom: idFrom.optional(),
   dedupWindow: duration.optional(),
   prefetch: whole(1, 65535).optional(),
+  maxInFlightBytes: size.optional(),
   batchSize: whole(1, 5000).optional(),
   cacheShards: z
     .union([z.literal('auto'), whole(1, 1024)], { error: 'must be auto or a whole number from 1 to 1024' })
@@ -335,6 +349,7 @@ const ROUTE_OPTIONS = [
   'idFrom',
   'dedupWindow',
   'prefetch',
+  'maxInFlightBytes',
   'batchSize',
   'cacheShards',
   'lease',
@@ -352,6 +367,7 @@ const ENV_OF: Record<string, string> = {
   source: 'DEDUP_BRIDGE_SOURCE',
   sourceQueue: 'DEDUP_BRIDGE_SOURCE_QUEUE',
   target: 'DEDUP_BRIDGE_TARGET',
+  maxInFlightBytes: 'DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES',
   sourceCa: 'DEDUP_BRIDGE_SOURCE_CA',
   sourceCert: 'DEDUP_BRIDGE_SOURCE_CERT',
   sourceKey: 'DEDUP_BRIDGE_SOURCE_KEY',
@@ -391,6 +407,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
     idFrom: settings.idFrom,
     dedupWindow: settings.dedupWindow,
     prefetch: settings.prefetch?.toString(),
+    maxInFlightBytes: settings.maxInFlightBytes,
     batchSize: settings.batchSize?.toString(),
     cacheShards: settings.cacheShards?.toString(),
     lease: settings.lease,
@@ -505,6 +522,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         idFrom: settings.idFrom.map(describeStrategy),
         dedupWindow: formatDuration(settings.dedupWindowMs),
         prefetch: settings.prefetch,
+        maxInFlightBytes: formatSize(settings.maxInFlightBytes),
         batchSize: settings.batchSize,
         cacheShards: settings.cacheShards,
         lease: formatDuration(settings.leaseMs),

@@ -6,6 +6,7 @@ import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
 import { redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
+import { parseSize } from './size.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
 /** The defaults, documented in docs/cli.md; change both together. */
@@ -16,6 +17,8 @@ export const DEFAULTS = {
   idFrom: DEFAULT_ID_FROM,
   dedupWindow: '7d',
   prefetch: 500,
+  /** Per route; fits the example Kubernetes manifests (docs/kubernetes) with room to spare. */
+  maxInFlightBytes: '32MiB',
   batchSize: 200,
   cacheShards: 'auto',
   lease: '15s',
@@ -44,6 +47,7 @@ export interface RawOptions extends TlsRawOptions {
   idFrom?: string;
   dedupWindow?: string;
   prefetch?: string;
+  maxInFlightBytes?: string;
   batchSize?: string;
   cacheShards?: string;
   lease?: string;
@@ -89,6 +93,8 @@ export interface BridgeSettings {
   idFrom: IdStrategy[];
   dedupWindowMs: number;
   prefetch: number;
+  /** Bytes of source bodies the route holds at most (a body at least this big passes alone). */
+  maxInFlightBytes: number;
   batchSize: number;
   /** Slot shards of a new scope (see DedupCache); 'auto' is 16 on a Redis Cluster, else 1. */
   cacheShards: number | 'auto';
@@ -119,6 +125,7 @@ const FLAG: Record<string, string> = {
   redisWaitReplicas: '--redis-wait-replicas (or DEDUP_BRIDGE_REDIS_WAIT_REPLICAS)',
   scope: '--scope',
   prefetch: '--prefetch',
+  maxInFlightBytes: '--max-in-flight-bytes (or DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES)',
   batchSize: '--batch-size',
   cacheShards: '--cache-shards',
   onUnroutable: '--on-unroutable',
@@ -349,6 +356,15 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     throw new ConfigError('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
   }
   const tls = resolveTlsSettings(raw, options);
+  const maxInFlightBytes = parseSize(
+    raw.maxInFlightBytes ?? DEFAULTS.maxInFlightBytes,
+    FLAG.maxInFlightBytes as string,
+  );
+  if (maxInFlightBytes < 1) {
+    throw new ConfigError(
+      `${FLAG.maxInFlightBytes}: must be at least 1 byte (a body bigger than the bound still passes, alone)`,
+    );
+  }
 
   return {
     route: options.sourceQueue,
@@ -368,6 +384,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     idFrom: parseIdFrom(raw.idFrom ?? DEFAULTS.idFrom),
     dedupWindowMs,
     prefetch: options.prefetch,
+    maxInFlightBytes,
     batchSize: options.batchSize,
     cacheShards: options.cacheShards,
     leaseMs,

@@ -68,6 +68,10 @@ interface Watched {
   reported: Partial<Record<keyof RouteCounters, number>>;
   /** Ready messages in the source queue at the last poll; undefined when unknown. */
   depth: number | undefined;
+  /** A poll of this route's source is on its way (one at a time per route). */
+  polling: boolean;
+  /** Deliveries returned unread already added to Prometheus. */
+  returned: number;
 }
 
 /**
@@ -80,6 +84,7 @@ export class BridgeMetrics {
   private readonly counters: [Counter<'route'>, keyof RouteCounters][] = [];
   private readonly latency: Record<LatencyStage, Histogram<'route'>>;
   private polling: NodeJS.Timeout | undefined;
+  private readonly returned: Counter<'route'>;
 
   constructor() {
     collectDefaultMetrics({ register: this.registry });
@@ -111,6 +116,34 @@ export class BridgeMetrics {
       },
     );
     this.gauge(
+      'in_flight_bytes',
+      'Bytes of source message bodies held by the bridge: delivered and not yet acked or returned',
+      [],
+      (set) => {
+        for (const { bridge } of this.watched.values())
+          set({ route: bridge.route }, bridge.source.bytes.held);
+      },
+    );
+    this.gauge(
+      'in_flight_bytes_peak',
+      'The most bytes of source message bodies held at once since the start, a body returned unread included',
+      [],
+      (set) => {
+        for (const { bridge } of this.watched.values())
+          set({ route: bridge.route }, bridge.source.bytes.peak);
+      },
+    );
+    const returned: Counter<'route'> = new Counter({
+      name: `${PREFIX}returned_unread_total`,
+      help: 'Deliveries returned to the source unread: they arrived past --max-in-flight-bytes',
+      labelNames: ['route'],
+      registers: [this.registry],
+      collect() {
+        for (const route of metrics.watched.values()) metrics.reportReturned(returned, route);
+      },
+    });
+    this.returned = returned;
+    this.gauge(
       'source_queue_depth',
       'Ready messages in the source queue (polled every few seconds)',
       [],
@@ -128,10 +161,24 @@ export class BridgeMetrics {
         }
       }
     });
-    this.gauge('consuming', '1 while the source broker delivers to the consumer, else 0', [], (set) => {
-      for (const { bridge } of this.watched.values())
-        set({ route: bridge.route }, bridge.status().consuming ? 1 : 0);
-    });
+    this.gauge(
+      'consuming',
+      '1 while the consumer is live and the source broker, asked within 10 s, lists a consumer on the queue, else 0',
+      [],
+      (set) => {
+        for (const { bridge } of this.watched.values())
+          set({ route: bridge.route }, bridge.status().consuming ? 1 : 0);
+      },
+    );
+    this.gauge(
+      'consumer_paused',
+      '1 while the bridge paused its consumer: the bodies it holds reached --max-in-flight-bytes',
+      [],
+      (set) => {
+        for (const { bridge } of this.watched.values())
+          set({ route: bridge.route }, bridge.status().paused ? 1 : 0);
+      },
+    );
     this.gauge(
       'target_blocked',
       '1 while the target broker blocks publishing (a resource alarm), else 0',
@@ -156,11 +203,9 @@ export class BridgeMetrics {
       const histogram = histograms[stage];
       for (let i = 0; i < messages; i++) histogram.observe(seconds);
     };
-    const route: Watched = { bridge, reported: {}, depth: undefined };
+    const route: Watched = { bridge, reported: {}, depth: undefined, polling: false, returned: 0 };
     this.watched.set(bridge, route);
-    void bridge.source.depth().then((depth) => {
-      route.depth = depth;
-    });
+    void this.poll(route);
   }
 
   /** Stops watching a route; its counters keep their last totals. */
@@ -168,6 +213,7 @@ export class BridgeMetrics {
     const route = this.watched.get(bridge);
     if (!route) return;
     for (const [counter, field] of this.counters) this.report(counter, field, route);
+    this.reportReturned(this.returned, route);
     bridge.pipeline.onLatency = () => {};
     this.watched.delete(bridge);
   }
@@ -176,21 +222,32 @@ export class BridgeMetrics {
     return [...this.watched.keys()];
   }
 
-  /** Reads each source queue's depth every `everyMs` (a passive queue.declare on the probe channel). */
+  /**
+   * Reads each source queue's depth every `everyMs` (a passive queue.declare on the probe
+   * channel); its answer is also the broker's word on the route's consumer, for readiness.
+   */
   pollDepths(everyMs: number): void {
-    let busy = false;
-    const poll = async () => {
-      // A broker that stopped answering must not pile up reads.
-      if (busy) return;
-      busy = true;
-      try {
-        for (const route of [...this.watched.values()]) route.depth = await route.bridge.source.depth();
-      } finally {
-        busy = false;
-      }
-    };
-    this.polling = setInterval(() => void poll(), everyMs);
+    this.polling = setInterval(() => {
+      for (const route of this.watched.values()) void this.poll(route);
+    }, everyMs);
     this.polling.unref();
+  }
+
+  /** One read per route at a time: a broker that stopped answering must not pile them up. */
+  private async poll(route: Watched): Promise<void> {
+    if (route.polling) return;
+    route.polling = true;
+    try {
+      route.depth = await route.bridge.source.depth();
+    } finally {
+      route.polling = false;
+    }
+  }
+
+  private reportReturned(counter: Counter<'route'>, route: Watched): void {
+    const now = route.bridge.source.bytes.returned;
+    counter.inc({ route: route.bridge.route }, now - route.returned);
+    route.returned = now;
   }
 
   stop(): void {

@@ -48,7 +48,10 @@ export interface ObserveServer extends RouteWatch {
   close(): Promise<void>;
 }
 
-/** Why the process is not ready; empty when every route is connected and consuming. */
+/**
+ * Why the process is not ready; empty when every route is connected and consuming as the broker
+ * sees it (or has paused its consumer at the byte bound).
+ */
 export function notReady(routes: readonly Bridge[]): string[] {
   if (routes.length === 0) return ['no route is running'];
   const down: string[] = [];
@@ -57,15 +60,16 @@ export function notReady(routes: readonly Bridge[]): string[] {
     for (const side of ['source', 'target', 'redis'] as const) {
       if (!status[side]) down.push(`${bridge.route}: ${side} connection down`);
     }
-    if (!status.consuming) down.push(`${bridge.route}: not consuming`);
+    // Paused at --max-in-flight-bytes is the bridge keeping its memory bound, not a fault.
+    if (!status.consuming && !status.paused) down.push(`${bridge.route}: not consuming`);
   }
   return down;
 }
 
 /**
  * Serves `/metrics` (Prometheus text), `/healthz` (200 while the process runs) and `/readyz`
- * (200 when every route's source, target and Redis connections are up and its consumer consumes,
- * else 503 with what is down). `bridges` are the routes already running; the runner adds and
+ * (200 when every route's source, target and Redis connections are up and the source broker lists
+ * its consumer, else 503 with what is down). `bridges` are the routes already running; the runner adds and
  * removes others as they start and stop. Listening fails with a ConfigError (exit 2) when the port
  * is taken or the host is not an address of this machine.
  */

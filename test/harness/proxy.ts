@@ -79,6 +79,18 @@ class PacedLink {
   };
 }
 
+/** A frame of type 1 on channel 0, empty, without its end octet (0xCE): amqplib cannot parse it. */
+const BAD_FRAME = Buffer.from([1, 0, 0, 0, 0, 0, 0, 0]);
+
+/** Whether a chunk from an AMQP server holds a basic.consume-ok method frame (class 60, method 21). */
+function hasConsumeOk(chunk: Buffer): boolean {
+  const method = Buffer.from([0, 60, 0, 21]);
+  for (let at = chunk.indexOf(method); at >= 0; at = chunk.indexOf(method, at + 1)) {
+    if (at >= 7 && chunk[at - 7] === 1) return true;
+  }
+  return false;
+}
+
 /**
  * A TCP fault proxy between the bridge and one server: passes bytes through, delays them, caps
  * their rate (a slow line, shared by every connection through the proxy), blackholes them
@@ -93,6 +105,13 @@ export class FaultProxy {
   private held: [Socket, Buffer][] = [];
   private cutAfter: number | undefined;
   private delayMs = 0;
+  private poisonConsumeOk = false;
+  /** AMQP methods (class << 16 | method) the server sends that never reach the client. */
+  private readonly swallowed = new Set<number>();
+  /** How many frames were swallowed. */
+  swallowedCount = 0;
+  /** Set once the armed consume-ok went by with a bad frame behind it. */
+  poisoned = false;
   /** Each direction of the line: to the server (up) and back (down). */
   private readonly links = {
     up: new PacedLink(undefined, (to, chunk) => this.deliver(to, chunk)),
@@ -140,7 +159,16 @@ export class FaultProxy {
       const link = from === client ? this.links.up : this.links.down;
       const lane: Lane = { from, to, slices: [], bytes: 0 };
       lanes.push([link, lane]);
-      from.on('data', (chunk: Buffer) => {
+      // Server bytes not yet a whole frame, while frames are being swallowed.
+      let partial: Buffer = Buffer.alloc(0);
+      from.on('data', (data: Buffer) => {
+        let chunk = data;
+        if (from === upstream && (this.swallowed.size > 0 || partial.length > 0)) {
+          const kept = this.swallow(Buffer.concat([partial, chunk]));
+          partial = kept.partial;
+          chunk = kept.whole;
+          if (chunk.length === 0) return;
+        }
         if (from === client && this.cutAfter !== undefined) {
           // Pass exactly the bytes left before the cut, then reset the connection mid-stream.
           const room = this.cutAfter;
@@ -150,6 +178,14 @@ export class FaultProxy {
             upstream.write(chunk.subarray(0, room), () => this.resetAll());
             return;
           }
+        }
+        if (from === upstream && this.poisonConsumeOk && hasConsumeOk(chunk)) {
+          // A frame the client cannot parse, in the same write as the consume-ok; then nothing flows.
+          this.poisonConsumeOk = false;
+          this.poisoned = true;
+          this.deliver(to, Buffer.concat([chunk, BAD_FRAME]));
+          this.setMode('blackhole');
+          return;
         }
         // Bytes still queued on the line go first, also after the cap was lifted.
         if (link.limited || lane.slices.length > 0) link.send(lane, chunk);
@@ -192,6 +228,37 @@ export class FaultProxy {
   /** Resets every connection once `bytes` more bytes went from the clients to the server. */
   resetAfter(bytes: number): void {
     this.cutAfter = bytes;
+  }
+
+  /**
+   * AMQP: the next basic.consume-ok from the server reaches the client with an unparseable frame
+   * right behind it, in one write (the client's parser fails in the same read that answered its
+   * consume, as amqplib did on a 12,000-deep header table); the proxy then blackholes (setMode).
+   */
+  poisonNextConsumeOk(): void {
+    this.poisonConsumeOk = true;
+    this.poisoned = false;
+  }
+
+  /** AMQP: server frames of this method (e.g. basic.cancel, 60/30) are dropped, not passed on. */
+  swallowServerMethod(classId: number, methodId: number): void {
+    this.swallowed.add((classId << 16) | methodId);
+  }
+
+  /** Splits server bytes into whole frames (minus the swallowed ones) and a partial rest. */
+  private swallow(bytes: Buffer): { whole: Buffer; partial: Buffer } {
+    const kept: Buffer[] = [];
+    let at = 0;
+    while (bytes.length - at >= 8) {
+      const size = bytes.readUInt32BE(at + 3);
+      const end = at + 7 + size + 1;
+      if (bytes.length < end) break;
+      const method = bytes[at] === 1 && size >= 4 ? bytes.readUInt32BE(at + 7) : -1;
+      if (this.swallowed.has(method)) this.swallowedCount++;
+      else kept.push(bytes.subarray(at, end));
+      at = end;
+    }
+    return { whole: Buffer.concat(kept), partial: Buffer.from(bytes.subarray(at)) };
   }
 
   setDelay(ms: number): void {

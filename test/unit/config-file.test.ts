@@ -111,6 +111,13 @@ describe('config file', () => {
       'routes[1].dedupWindow: "1 day" is not a duration',
     ],
     [
+      'a size that is not one',
+      (file: ReturnType<typeof twoRoutes>) => {
+        Object.assign(file.routes[0] as object, { maxInFlightBytes: '2 GB' });
+      },
+      'routes[0].maxInFlightBytes: "2 GB" is not a size',
+    ],
+    [
       'a bad default',
       (file: ReturnType<typeof twoRoutes>) => {
         Object.assign(file.defaults, { prefetch: 0 });

@@ -202,6 +202,19 @@ describe('resolveBridgeSettings: defaults', () => {
       { kind: 'content' },
     ]);
     expect(DEFAULTS.prefetch).toBe(500);
+    expect(settings.maxInFlightBytes).toBe(32 * 1024 * 1024);
+  });
+
+  it('takes --max-in-flight-bytes with a binary unit or as bytes, and names the flag and variable when it is not a size', () => {
+    expect(resolve({ maxInFlightBytes: '64MiB' }).maxInFlightBytes).toBe(64 * 1024 * 1024);
+    expect(resolve({ maxInFlightBytes: '512Ki' }).maxInFlightBytes).toBe(512 * 1024);
+    expect(resolve({ maxInFlightBytes: '1048576' }).maxInFlightBytes).toBe(1024 * 1024);
+    expect(resolveError({ maxInFlightBytes: '64 megs' })).toBe(
+      '--max-in-flight-bytes (or DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES): "64 megs" is not a size; use a whole number with a unit, e.g. 512KiB, 64MiB, 1GiB (or a number of bytes)',
+    );
+    expect(resolveError({ maxInFlightBytes: '0' })).toMatch(
+      /^--max-in-flight-bytes .*: must be at least 1 byte/,
+    );
   });
 
   it('targets a queue through the default exchange, scoped to the queue', () => {
