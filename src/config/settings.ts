@@ -4,7 +4,7 @@ import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
-import { redactUrl } from './redact.js';
+import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
@@ -150,6 +150,12 @@ function urlWith(protocols: string[], example: string) {
       });
     } else if (parsed.hostname === '') {
       ctx.addIssue({ code: 'custom', message: `"${redactUrl(value)}" has no host; use ${example}` });
+    } else if (hasHiddenPassword(value)) {
+      // amqp://bob:12?x@host is host "bob", port 12 to a URL parser: the bridge would go there.
+      ctx.addIssue({
+        code: 'custom',
+        message: `"${redactUrl(value)}" has an @ after its host, so its password is read as a host, path or query; percent-encode / ? # @ in a password (%2F %3F %23 %40)`,
+      });
     } else if (!decodable(parsed.username, parsed.password, parsed.pathname)) {
       ctx.addIssue({
         code: 'custom',

@@ -44,12 +44,11 @@ const TLS_SCHEME: Record<TlsSide, string> = { source: 'amqps', target: 'amqps', 
 const URL_FLAG: Record<TlsSide, string> = { source: '--source', target: '--target', redis: '--redis' };
 
 export function isTlsUrl(url: string): boolean {
-  try {
-    const protocol = new URL(url).protocol;
-    return protocol === 'amqps:' || protocol === 'rediss:';
-  } catch {
-    return false;
-  }
+  // The Sentinel and Cluster forms are not WHATWG URLs: read the scheme as text.
+  const scheme = /^([a-z][a-z0-9+.-]*):\/\//i.exec(url)?.[1]?.toLowerCase();
+  return (
+    scheme === 'amqps' || scheme === 'rediss' || scheme === 'rediss-sentinel' || scheme === 'rediss-cluster'
+  );
 }
 
 function flag(side: TlsSide, kind: FileKind): string {
@@ -111,13 +110,9 @@ export function checkTlsFiles(side: TlsSide, url: string, files: TlsFiles): TlsF
   const first = given[0];
   if (first === undefined) return {};
   if (!isTlsUrl(url)) {
-    const scheme = TLS_SCHEME[side];
-    const plain = url.split(':')[0];
-    if (plain === 'redis-sentinel' || plain === 'redis-cluster') {
-      throw new ConfigError(
-        `${flag(side, first)}: TLS is available for a single Redis server only (rediss://), not for ${plain}://; leave the TLS options out`,
-      );
-    }
+    const plain = url.split(':')[0] ?? '';
+    // redis-sentinel:// wants rediss-sentinel://, as redis:// wants rediss://.
+    const scheme = side === 'redis' ? plain.replace(/^redis(?=$|-)/, 'rediss') : TLS_SCHEME[side];
     throw new ConfigError(
       `${flag(side, first)}: needs ${URL_FLAG[side]} to be ${scheme}://, not ${plain}://; use ${scheme}:// (with TLS options the bridge never connects plain)`,
     );
@@ -182,6 +177,15 @@ export function amqpTlsOptions(side: TlsSide, url: string, files: TlsFiles | und
 /** Options for ioredis: `tls` for rediss://, none for redis:// (ioredis would use TLS if given). */
 export function redisTlsOptions(url: string, files: TlsFiles | undefined): { tls?: ConnectionOptions } {
   return isTlsUrl(url) ? { tls: connectOptions('redis', url, files) } : {};
+}
+
+/**
+ * The tls.connect options for each server of a Sentinel set or a Cluster: our CA and client
+ * certificate, certificates always verified. No servername: each connection is checked against
+ * the host it dials (a sentinel, or the address Sentinel or the Cluster announces).
+ */
+export function redisNodeTlsOptions(files: TlsFiles | undefined): ConnectionOptions {
+  return { ...readPem('redis', files ?? {}), rejectUnauthorized: true };
 }
 
 // Node's names for a certificate chain it cannot trust with the CAs it was given.

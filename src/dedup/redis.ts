@@ -1,9 +1,9 @@
 import { Cluster, Redis } from 'ioredis';
 import { backoffDelay } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
-import { passwordOf, redactSecrets } from '../config/redact.js';
+import { redactSecrets, secretsOf } from '../config/redact.js';
 import { describeRedis, parseRedisUrl, type RedisTopology } from '../config/redis-url.js';
-import { redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
+import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { masterNodes } from './slots.js';
@@ -43,6 +43,8 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
       ...redisTlsOptions(topology.url, tls),
     });
   const { username, password } = topology;
+  // The same CA and client certificate for every server of the set (see redisNodeTlsOptions).
+  const nodeTls = topology.tls ? redisNodeTlsOptions(tls) : undefined;
   if (topology.kind === 'sentinel') {
     return new Redis({
       ...common,
@@ -52,6 +54,10 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
       db: topology.db,
       username,
       password,
+      sentinelUsername: topology.sentinelUsername,
+      sentinelPassword: topology.sentinelPassword,
+      // TLS to the sentinels (sentinelTLS) and to the master they name (tls, with the mode flag).
+      ...(nodeTls ? { tls: nodeTls, sentinelTLS: nodeTls, enableTLSForSentinelMode: true } : {}),
       retryStrategy,
       sentinelRetryStrategy: retryStrategy,
       // Reconnect as soon as Sentinel announces a new master, not only when the old one drops us.
@@ -60,7 +66,7 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
   }
   return new Cluster(topology.nodes, {
     lazyConnect: true,
-    redisOptions: { ...common, username, password },
+    redisOptions: { ...common, username, password, ...(nodeTls ? { tls: nodeTls } : {}) },
     clusterRetryStrategy: retryStrategy,
     // While a replica takes over a dead master's slots, commands wait and retry rather than fail.
     retryDelayOnFailover: 200,
@@ -83,7 +89,11 @@ export async function connectRedis(
 ): Promise<RedisClient> {
   const topology = parseRedisUrl(url);
   const where = describeRedis(topology);
-  const secret = topology.kind === 'standalone' ? passwordOf(url) : (topology.password ?? '');
+  const secret = [
+    ...secretsOf(url),
+    ...(topology.kind === 'standalone' ? [] : [topology.password ?? '']),
+    ...(topology.kind === 'sentinel' ? [topology.sentinelPassword ?? ''] : []),
+  ];
   let lastError: unknown;
   const redis = newClient(topology, tls);
   let connected = false;
@@ -104,7 +114,7 @@ export async function connectRedis(
       return;
     }
     log[down ? 'debug' : 'warn'](
-      { error: redactSecrets(describe(error), [secret]) },
+      { error: redactSecrets(describe(error), secret) },
       `${where}: connection error; reconnecting`,
     );
     down = true;
@@ -136,7 +146,7 @@ export async function connectRedis(
       const timer =
         retryForMs > 0
           ? setTimeout(() => {
-              const reason = lastError ? redactSecrets(describe(lastError), [secret]) : 'no answer';
+              const reason = lastError ? redactSecrets(describe(lastError), secret) : 'no answer';
               reject(
                 new UnavailableError(
                   `${where} is unreachable (${reason}) after retrying for ${Math.round((Date.now() - started) / 1000)}s; check that it runs and the host and port in the URL`,
@@ -162,7 +172,7 @@ export async function connectRedis(
         } else if (!said) {
           // Once per wait, as for the brokers; the attempts after it at debug level.
           said = true;
-          log.warn({ error: redactSecrets(describe(error), [secret]) }, `${where} not reachable; retrying`);
+          log.warn({ error: redactSecrets(describe(error), secret) }, `${where} not reachable; retrying`);
         }
       };
       redis.on('error', onError);
