@@ -12,6 +12,7 @@ import {
   resolveMigrateSettings,
 } from '../config/migrate-settings.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
+import { FILE_VARIABLES, readSecretFile } from '../config/secret-source.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, FatalConnectError, StopRequested } from '../errors.js';
@@ -30,6 +31,7 @@ export async function main(argv: string[]): Promise<number> {
   let active: Command | undefined;
   program.hook('preAction', (_program, actionCommand) => {
     active = actionCommand;
+    readFileVariables(actionCommand);
   });
   try {
     await program.parseAsync(argv);
@@ -81,6 +83,35 @@ function strayArgument(program: Command, argv: string[]): ConfigError {
   );
 }
 
+/** Options whose value came from a `<VARIABLE>_FILE`, so that errors name that variable. */
+const fromFile = new Set<string>();
+
+/**
+ * `DEDUP_BRIDGE_SOURCE_FILE=/run/secrets/source` is DEDUP_BRIDGE_SOURCE with the file's text (one
+ * trailing newline dropped): the way to pass a URL with its password without putting it in a
+ * flag, which `ps` shows, or in the environment. A flag still wins; the variable and its _FILE
+ * together are an error, since one of them would be ignored.
+ */
+function readFileVariables(command: Command): void {
+  for (const option of command.options) {
+    const variable = option.envVar;
+    if (!variable || !(FILE_VARIABLES as readonly string[]).includes(variable)) continue;
+    const fileVariable = `${variable}_FILE`;
+    const path = process.env[fileVariable];
+    if (path === undefined) continue;
+    const name = option.attributeName();
+    const source = command.getOptionValueSource(name);
+    if (source === 'cli') continue;
+    if (source === 'env') {
+      throw new ConfigError(
+        `${fileVariable}: ${variable} is set too; set one of them (the URL, or the file that holds it)`,
+      );
+    }
+    command.setOptionValueWithSource(name, readSecretFile(path, `${fileVariable} (${option.long})`), 'env');
+    fromFile.add(name);
+  }
+}
+
 /**
  * A refused value that came from an environment variable: the line names the variable first
  * ("DEDUP_BRIDGE_LOG_LEVEL (--log-level): …"), since no flag was typed.
@@ -92,7 +123,8 @@ function namingVariable(command: Command, error: unknown): unknown {
     if (command.getOptionValueSource(option.attributeName()) !== 'env') continue;
     const prefix = new RegExp(`^${option.long}( \\(or ${option.envVar}\\))?: `);
     if (prefix.test(error.message)) {
-      return new ConfigError(error.message.replace(prefix, `${option.envVar} (${option.long}): `), {
+      const variable = fromFile.has(option.attributeName()) ? `${option.envVar}_FILE` : option.envVar;
+      return new ConfigError(error.message.replace(prefix, `${variable} (${option.long}): `), {
         cause: error,
       });
     }

@@ -7,6 +7,7 @@ import { LOG_LEVELS } from '../observe/log.js';
 import { FOREVER, formatDuration, formatRetryFor, parseDuration, parseRetryFor } from './duration.js';
 import { checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
+import { urlOrReference } from './secret-source.js';
 import {
   amqpUrl,
   type BridgeSettings,
@@ -36,20 +37,25 @@ const tlsFiles = z
   })
   .strict();
 
-// URLs travel to resolveBridgeSettings comma-joined, like the --source flag.
-const brokerUrl = amqpUrl.refine(
-  (value) => !value.includes(','),
-  'must not contain a comma; write it as %2C',
+// URLs travel to resolveBridgeSettings comma-joined, like the --source flag. Each URL may be given
+// as { file: <path> } or { env: <VARIABLE> } instead (see secret-source.ts).
+const brokerUrl = urlOrReference(
+  amqpUrl.refine((value) => !value.includes(','), 'must not contain a comma; write it as %2C'),
 );
 
 // The broker's management API (for the source queue TTL check), checked like --source-management.
-const managementUrl = z.string().superRefine((value, ctx) => {
-  try {
-    checkManagementUrl(value);
-  } catch (error) {
-    ctx.addIssue({ code: 'custom', message: (error as Error).message.replace(/^--source-management: /, '') });
-  }
-});
+const managementUrl = urlOrReference(
+  z.string().superRefine((value, ctx) => {
+    try {
+      checkManagementUrl(value);
+    } catch (error) {
+      ctx.addIssue({
+        code: 'custom',
+        message: (error as Error).message.replace(/^--source-management: /, ''),
+      });
+    }
+  }),
+);
 
 const broker = z
   .object({
@@ -159,7 +165,7 @@ const fileSchema = z
     brokers: z.record(z.string(), broker),
     redis: z
       .object({
-        url: redisUrl.optional(),
+        url: urlOrReference(redisUrl).optional(),
         prefix: z
           .string()
           .regex(REDIS_PREFIX_PATTERN, 'must be non-empty, without braces, colons or spaces')

@@ -4,6 +4,7 @@ import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { parseDuration } from './duration.js';
+import { urlOrReference } from './secret-source.js';
 import {
   type BridgeSettings,
   DEFAULTS,
@@ -59,9 +60,10 @@ export const MIGRATE_DEFAULTS = {
 const queueName = z.string().min(1, 'must not be empty');
 const jobFileSchema = z
   .object({
-    source: z.string().optional(),
-    target: z.string().optional(),
-    redis: z.string().optional(),
+    // A URL, or { file: <path> } / { env: <VARIABLE> } that holds it (checked like the flags).
+    source: urlOrReference(z.string()).optional(),
+    target: urlOrReference(z.string()).optional(),
+    redis: urlOrReference(z.string()).optional(),
     queues: z
       .array(
         z.union([queueName, z.object({ source: queueName, target: queueName.optional() }).strict()], {
