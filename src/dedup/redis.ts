@@ -1,8 +1,14 @@
+import { type ConnectionOptions, connect as tlsConnect } from 'node:tls';
 import { Cluster, Redis } from 'ioredis';
 import { backoffDelay } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
 import { redactSecrets, secretsOf } from '../config/redact.js';
-import { describeRedis, parseRedisUrl, type RedisTopology } from '../config/redis-url.js';
+import {
+  describeRedis,
+  parseRedisUrl,
+  type RedisNodeAddress,
+  type RedisTopology,
+} from '../config/redis-url.js';
 import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
@@ -24,6 +30,14 @@ function refusal(where: string, error: Error, reconnecting: boolean): string {
   return reconnecting
     ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
     : `${where}: ${code} — ${what}`;
+}
+
+// ioredis reports sentinels that all refused us as one error ending in the last reply.
+const SENTINELS_REFUSED = /Last error: (WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH)/;
+
+/** The line for credentials the sentinels refused (their own, not the master's). */
+function sentinelRefusal(where: string, code: string): string {
+  return `${where}: ${code} from the sentinels — they refused their credentials; check sentinelUsername and sentinelPassword in the URL's query (the sentinels' own, which may differ from the master's)`;
 }
 
 const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);
@@ -76,6 +90,34 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
 }
 
 /**
+ * Why a TLS handshake with the first of `nodes` that answers fails, or undefined. ioredis loses
+ * this for a Sentinel set (it reports only "All sentinels are unreachable") and a Cluster (it
+ * reads the slots over a throwaway connection), so a handshake of our own names the certificate
+ * problem instead of retrying it for the whole --retry-for.
+ */
+async function tlsProblemOf(
+  nodes: readonly RedisNodeAddress[],
+  options: ConnectionOptions,
+): Promise<string | undefined> {
+  for (const node of nodes) {
+    const error = await new Promise<unknown>((resolve) => {
+      const socket = tlsConnect({ ...options, host: node.host, port: node.port }, () => {
+        socket.destroy();
+        resolve(undefined);
+      });
+      socket.once('error', resolve);
+      socket.setTimeout(5000, () => {
+        socket.destroy();
+        resolve(undefined);
+      });
+    });
+    const problem = tlsFailure(error, 'redis');
+    if (problem) return problem;
+  }
+  return undefined;
+}
+
+/**
  * Connects to Redis and waits until it answers, retrying with backoff for up to `retryForMs`
  * (0: forever). Once connected, commands wait through later outages instead of failing
  * (`maxRetriesPerRequest: null`): the pipeline holds its messages unacked meanwhile.
@@ -105,9 +147,14 @@ export async function connectRedis(
   const onLaterError = (error: Error) => {
     lastError = error;
     if (!connected) return;
-    if (FATAL_REPLY.test(error.message)) {
+    const bySentinels = SENTINELS_REFUSED.exec(error.message)?.[1];
+    if (FATAL_REPLY.test(error.message) || bySentinels) {
       if (!refused) {
-        log.error(refusal(where, error, true));
+        log.error(
+          bySentinels
+            ? `${sentinelRefusal(where, bySentinels)} (retrying meanwhile; messages wait unacked in the source)`
+            : refusal(where, error, true),
+        );
       }
       refused = true;
       down = true;
@@ -169,9 +216,21 @@ export async function connectRedis(
         } else if (FATAL_REPLY.test(error.message)) {
           clearTimeout(timer);
           reject(new FatalConnectError(refusal(where, error, false)));
+        } else if (SENTINELS_REFUSED.test(error.message)) {
+          clearTimeout(timer);
+          const code = SENTINELS_REFUSED.exec(error.message)?.[1] as string;
+          reject(new FatalConnectError(sentinelRefusal(where, code)));
         } else if (!said) {
           // Once per wait, as for the brokers; the attempts after it at debug level.
           said = true;
+          if (topology.kind !== 'standalone' && topology.tls) {
+            const nodes = topology.kind === 'sentinel' ? topology.sentinels : topology.nodes;
+            void tlsProblemOf(nodes, redisNodeTlsOptions(tls)).then((problem) => {
+              if (!problem) return;
+              clearTimeout(timer);
+              reject(new FatalConnectError(`${where}: ${problem}`));
+            });
+          }
           log.warn({ error: redactSecrets(describe(error), secret) }, `${where} not reachable; retrying`);
         }
       };

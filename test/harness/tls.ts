@@ -35,7 +35,8 @@ function makeCa(dir: string, name: string): void {
   );
 }
 
-function makeLeaf(dir: string, name: string, usage: string, san: string | undefined): void {
+/** A certificate `<name>.pem` (and `<name>.key`) signed by the CA in `dir`, for `usage` (extendedKeyUsage). */
+export function makeLeaf(dir: string, name: string, usage: string, san: string | undefined): void {
   openssl(dir, 'genpkey', '-algorithm', 'EC', '-pkeyopt', 'ec_paramgen_curve:P-256', '-out', `${name}.key`);
   openssl(
     dir,
