@@ -75,6 +75,10 @@ export function addMigrateOptions(command: Command): Command {
       '--declare-target',
       'create missing target queues like their source queues (needs --source-management)',
     )
+    .option(
+      '--declare-target-force',
+      'with --declare-target, copy also arguments that make the target drop messages (x-max-length, x-max-length-bytes, x-message-ttl, x-expires, x-max-age)',
+    )
     .option('--dry-run', 'count what would be forwarded or skipped; move, ack and claim nothing')
     .option(
       '--progress-interval <duration>',

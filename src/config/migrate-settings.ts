@@ -23,6 +23,7 @@ export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
   parallel?: string;
   deleteSourceWhenEmpty?: boolean;
   declareTarget?: boolean;
+  declareTargetForce?: boolean;
   sourceManagement?: string;
   maxDuration?: string;
   maxRate?: string;
@@ -45,6 +46,8 @@ export interface MigrateSettings {
   dryRun: boolean;
   deleteSourceWhenEmpty: boolean;
   declareTarget: boolean;
+  /** Copy also the arguments that make the target queue discard messages (x-max-length, …). */
+  declareTargetForce: boolean;
   sourceManagementUrl: string | undefined;
   reportPath: string | undefined;
   progressIntervalMs: number;
@@ -185,6 +188,9 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   if (raw.declareTarget && raw.targetExchange !== undefined) {
     throw new ConfigError('--declare-target: declares target queues; it does not go with --target-exchange');
   }
+  if (raw.declareTargetForce && !raw.declareTarget) {
+    throw new ConfigError('--declare-target-force: goes with --declare-target; give both, or neither');
+  }
   if (raw.declareTarget && !raw.sourceManagement) {
     throw new ConfigError(
       '--declare-target: needs --source-management <url> (the source broker management API, e.g. http://user:password@host:15672)',
@@ -208,6 +214,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     dryRun: raw.dryRun === true,
     deleteSourceWhenEmpty: raw.deleteSourceWhenEmpty === true,
     declareTarget: raw.declareTarget === true,
+    declareTargetForce: raw.declareTargetForce === true,
     sourceManagementUrl: raw.sourceManagement,
     reportPath: raw.report,
     progressIntervalMs: parseDuration(

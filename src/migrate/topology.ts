@@ -75,13 +75,30 @@ export async function readQueueShape(
 }
 
 /**
+ * Queue arguments under which the target queue itself drops (or dead-letters) what the bridge
+ * forwards to it, before anyone consumes it: the bridge acks the source once the target confirms,
+ * so those messages would be gone from both. `x-max-length: 0` would empty every message at once.
+ * Not here: x-overflow (acts only with a length limit), dead-letter targets, x-delivery-limit (it
+ * acts on consumers that fail a message, the source queue's own behaviour), priorities, modes.
+ */
+export const DISCARDING_ARGUMENTS: Readonly<Record<string, string>> = {
+  'x-max-length': 'drops (or refuses) messages past a count',
+  'x-max-length-bytes': 'drops (or refuses) messages past a size',
+  'x-message-ttl': 'drops (or dead-letters) messages not consumed in time',
+  'x-expires': 'deletes itself, with its messages, when unused for a while',
+  'x-max-age': 'deletes stream messages past an age',
+};
+
+/**
  * Creates each target queue with its source queue's durability, type and arguments (DLX, TTL,
  * max-length …). A target queue that already exists with other arguments is an error, named.
+ * Arguments that discard messages (DISCARDING_ARGUMENTS) are refused unless `force`.
  */
 export async function declareTargetQueues(
   routes: BridgeSettings[],
   managementUrl: string,
   log: Logger,
+  force = false,
 ): Promise<void> {
   const first = routes[0];
   if (!first) return;
@@ -91,6 +108,14 @@ export async function declareTargetQueues(
         [route, await readQueueShape(managementUrl, route.sourceUrl, route.sourceQueue)] as const,
     ),
   );
+  // All refused before any queue is created.
+  for (const [route, shape] of shapes) {
+    const found = Object.keys(shape.arguments).find((name) => Object.hasOwn(DISCARDING_ARGUMENTS, name));
+    if (found === undefined || force) continue;
+    throw new ConfigError(
+      `--declare-target: source queue "${route.sourceQueue}" has ${found}=${JSON.stringify(shape.arguments[found])}, under which target queue "${route.targetQueue}" ${DISCARDING_ARGUMENTS[found]}; declare the target queue yourself, or give --declare-target-force to copy it anyway`,
+    );
+  }
   const connection = await connectAmqp(first.targetUrl, {
     side: 'target',
     retryForMs: first.retryForMs || 30_000,
@@ -106,9 +131,10 @@ export async function declareTargetQueues(
       channel.on('error', () => {});
       try {
         await channel.assertQueue(queue, { durable: shape.durable, arguments: args });
+        // What was declared, arguments included, in the line itself (a terminal shows no fields).
         log.info(
           { queue, type: shape.type, durable: shape.durable, arguments: args },
-          'target queue declared',
+          `target queue "${queue}" declared (${shape.type}, ${shape.durable ? 'durable' : 'transient'}) with arguments ${JSON.stringify(args)}`,
         );
       } catch (error) {
         if (replyCodeOf(error) === 406) {
