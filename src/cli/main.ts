@@ -7,6 +7,7 @@ import { startRoutes, superviseRoutes } from '../bridge/routes.js';
 import { sourceTtlWarnings } from '../bridge/source-ttl.js';
 import { loadConfigRoutes } from '../config/file.js';
 import {
+  checkManagementCa,
   checkManagementUrl,
   type MigrateRawOptions,
   resolveMigrateSettings,
@@ -181,6 +182,7 @@ type RunRawOptions = RawOptions & {
   strict?: boolean;
   config?: string;
   sourceManagement?: string;
+  sourceManagementCa?: string;
 };
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
@@ -188,6 +190,7 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   const routes = raw.config ? loadConfigRoutes(raw.config, raw, 'run') : [resolveBridgeSettings(raw, 'run')];
   const first = routes[0] as BridgeSettings;
   const management = raw.sourceManagement ? checkManagementUrl(raw.sourceManagement) : undefined;
+  const managementCa = checkManagementCa(management, raw.sourceManagementCa);
   // The flag stands in for routes whose broker names no management API of its own.
   const byFlag = routes.filter((route) => route.sourceManagementUrl === undefined);
   if (management && new Set(byFlag.map((route) => new URL(route.sourceUrl).host)).size > 1) {
@@ -200,7 +203,7 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   // Listening first: a taken port fails at once, and /healthz answers while the servers are sought.
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   try {
-    warnOrRefuse(await sourceTtlWarnings(routes, management, log), raw.strict === true, log);
+    warnOrRefuse(await sourceTtlWarnings(routes, management, log, managementCa), raw.strict === true, log);
     return await forwardUntilStopped(raw, routes, log, observer);
   } finally {
     await observer?.close();
@@ -289,7 +292,12 @@ async function migrate(raw: MigrateRawOptions & { strict?: boolean }, context: J
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   try {
     context.name = settings.jobName;
-    const ttlWarnings = await sourceTtlWarnings(settings.routes, settings.sourceManagementUrl, log);
+    const ttlWarnings = await sourceTtlWarnings(
+      settings.routes,
+      settings.sourceManagementUrl,
+      log,
+      settings.sourceManagementCa,
+    );
     warnOrRefuse(ttlWarnings, raw.strict === true, log);
     const signal = onStopSignal();
     await checkRedis(first, raw.strict === true, log, signal.stop);

@@ -160,6 +160,12 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
         'source management API, http://user:password@host:15672 (queue TTL check; migrate --declare-target)',
       ).env('DEDUP_BRIDGE_SOURCE_MANAGEMENT'),
     )
+    .addOption(
+      new Option(
+        '--source-management-ca <file>',
+        'https management API: CA certificate(s) to trust, PEM (default: the system CAs)',
+      ).env('DEDUP_BRIDGE_SOURCE_MANAGEMENT_CA'),
+    )
     .option(
       '--strict',
       'exit 2 instead of warning at start when a Redis master (each one of a Cluster) has no append-only file, or may evict keys (a maxmemory with a policy other than noeviction), or (Sentinel) has no replica connected; or, with --source-management, a source queue keeps messages longer than --dedup-window (or forever, with a window under 7d), or its management API does not answer. Accepted: any appendfsync, replication lag, fewer replicas than --redis-wait-replicas',

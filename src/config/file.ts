@@ -5,7 +5,7 @@ import { describeStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS } from '../observe/log.js';
 import { FOREVER, formatDuration, formatRetryFor, parseDuration, parseRetryFor } from './duration.js';
-import { checkManagementUrl } from './migrate-settings.js';
+import { checkManagementCa, checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
 import { urlOrReference } from './secret-source.js';
 import {
@@ -63,6 +63,8 @@ const broker = z
     urls: z.array(brokerUrl).min(1, 'list at least one URL').optional(),
     tls: tlsFiles.optional(),
     management: managementUrl.optional(),
+    /** The CA to trust for an https management API (default: the system's CAs). */
+    managementCa: z.string().min(1, 'must not be empty').optional(),
   })
   .strict()
   .superRefine((value, ctx) => {
@@ -456,10 +458,17 @@ export function resolveConfigRoutes(
   }
   return file.routes.map((item, index) => {
     const raw = overlay(routeOptions(file, item), given);
-    const management = (file.brokers[item.source.broker] as Broker).management;
+    const broker = file.brokers[item.source.broker] as Broker;
+    const management = broker.management;
     try {
       const settings: BridgeSettings = { ...resolveBridgeSettings(raw, mode), route: item.name };
       if (management !== undefined) settings.sourceManagementUrl = management;
+      const keys = `brokers.${item.source.broker}`;
+      const ca = checkManagementCa(management, broker.managementCa, {
+        ca: `${keys}.managementCa`,
+        url: `${keys}.management`,
+      });
+      if (ca !== undefined) settings.sourceManagementCa = ca;
       return settings;
     } catch (error) {
       if (error instanceof ConfigError) {
@@ -497,6 +506,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         source: withoutUndefined({
           urls: settings.sourceUrls.map(redactUrl),
           management: settings.sourceManagementUrl && redactUrl(settings.sourceManagementUrl),
+          managementCa: settings.sourceManagementCa,
           queue: settings.sourceQueue,
           tls: tlsOf(item, 'source'),
         }),

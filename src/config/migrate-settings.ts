@@ -12,6 +12,7 @@ import {
   type RawOptions,
   resolveBridgeSettings,
 } from './settings.js';
+import { readCaFile } from './tls.js';
 
 /** What `migrate` collects: the bridge options, with repeatable queues and the job's own options. */
 export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
@@ -25,6 +26,7 @@ export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
   declareTarget?: boolean;
   declareTargetForce?: boolean;
   sourceManagement?: string;
+  sourceManagementCa?: string;
   maxDuration?: string;
   maxRate?: string;
   dryRun?: boolean;
@@ -49,6 +51,7 @@ export interface MigrateSettings {
   /** Copy also the arguments that make the target queue discard messages (x-max-length, …). */
   declareTargetForce: boolean;
   sourceManagementUrl: string | undefined;
+  sourceManagementCa: string | undefined;
   reportPath: string | undefined;
   progressIntervalMs: number;
   quiet: boolean;
@@ -216,6 +219,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     declareTarget: raw.declareTarget === true,
     declareTargetForce: raw.declareTargetForce === true,
     sourceManagementUrl: raw.sourceManagement,
+    sourceManagementCa: checkManagementCa(raw.sourceManagement, raw.sourceManagementCa),
     reportPath: raw.report,
     progressIntervalMs: parseDuration(
       raw.progressInterval ?? MIGRATE_DEFAULTS.progressInterval,
@@ -244,6 +248,27 @@ export function checkManagementUrl(value: string): string {
     );
   }
   return value;
+}
+
+/**
+ * Validates --source-management-ca (or a config file's managementCa, named by `names`): it goes
+ * with an https:// management URL, and is a readable PEM certificate.
+ */
+export function checkManagementCa(
+  url: string | undefined,
+  ca: string | undefined,
+  names = { ca: '--source-management-ca', url: '--source-management' },
+): string | undefined {
+  if (ca === undefined) return undefined;
+  if (url === undefined) throw new ConfigError(`${names.ca}: goes with ${names.url} (an https:// URL)`);
+  const protocol = new URL(url).protocol;
+  if (protocol !== 'https:') {
+    throw new ConfigError(
+      `${names.ca}: needs ${names.url} to be https://, not ${protocol}//; a CA is for a management API served over TLS`,
+    );
+  }
+  readCaFile(names.ca, ca);
+  return ca;
 }
 
 /** A job is its brokers and routes: the same migration started again gets the same name (and lock). */

@@ -68,6 +68,8 @@ export interface BridgeSettings {
   sourceUrls: string[];
   /** The source broker's management API, when a config file names one (for the queue TTL check). */
   sourceManagementUrl?: string;
+  /** The CA file to trust for an https sourceManagementUrl (default: the system's CAs). */
+  sourceManagementCa?: string;
   sourceQueue: string;
   /** The first of targetUrls. */
   targetUrl: string;

@@ -89,15 +89,30 @@ function readPem(side: TlsSide, files: TlsFiles): TlsPem {
 }
 
 function checkCertificate(side: TlsSide, kind: FileKind, path: string, pem: Buffer): void {
+  checkPemCertificate(flag(side, kind), path, pem);
+}
+
+function checkPemCertificate(name: string, path: string, pem: Buffer): void {
   try {
     // Node takes a CA file without a certificate in it and then trusts nothing: say so now.
     if (!pem.includes('-----BEGIN CERTIFICATE-----')) throw new Error('no certificate');
     new X509Certificate(pem);
   } catch {
-    throw new ConfigError(
-      `${flag(side, kind)}: "${path}" holds no PEM certificate (-----BEGIN CERTIFICATE-----)`,
-    );
+    throw new ConfigError(`${name}: "${path}" holds no PEM certificate (-----BEGIN CERTIFICATE-----)`);
   }
+}
+
+/** Reads a CA file named by `name` (a flag or a config key) and checks it holds a certificate. */
+export function readCaFile(name: string, path: string): Buffer {
+  let pem: Buffer;
+  try {
+    pem = readFileSync(path);
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code ?? 'unreadable';
+    throw new ConfigError(`${name}: cannot read "${path}" (${code}); give the path of a PEM file`);
+  }
+  checkPemCertificate(name, path, pem);
+  return pem;
 }
 
 /**
@@ -223,7 +238,8 @@ const NOT_TLS = new Set([
  * Names a TLS failure and its fix, or undefined when the error is not about TLS. None of these
  * are retried: another attempt meets the same certificate.
  */
-export function tlsFailure(error: unknown, side: TlsSide): string | undefined {
+export function tlsFailure(error: unknown, side: TlsSide, prefix = `--${side}`): string | undefined {
+  const flag = (_side: TlsSide, kind: FileKind) => `${prefix}-${kind}`;
   const code = (error as { code?: unknown } | undefined)?.code;
   if (typeof code !== 'string') return undefined;
   if (UNTRUSTED.has(code)) return `TLS certificate not trusted (${code}); check ${flag(side, 'ca')}`;

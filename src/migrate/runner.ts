@@ -80,6 +80,7 @@ export async function runMigration(
         settings.sourceManagementUrl as string,
         log,
         settings.declareTargetForce,
+        settings.sourceManagementCa,
       );
     }
     await checkTopology(settings.routes, log, stop);

@@ -1,4 +1,4 @@
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
@@ -6,6 +6,7 @@ import { stringify } from 'yaml';
 import { describeConfig, loadConfigFile, loadConfigRoutes } from '../../src/config/file.js';
 import { type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
 import { ConfigError } from '../../src/errors.js';
+import { makeCertificates } from '../harness/tls.js';
 
 const SECRET = 'hunter2-Sup3rSecret';
 const folder = mkdtempSync(join(tmpdir(), 'dedup-config-'));
@@ -285,6 +286,32 @@ describe('config file', () => {
     expect(loadError(configFile(file))).toMatch(
       /: brokers\.old\.management: must be an http\(s\) URL, e\.g\. http:\/\/user:password@host:15672$/,
     );
+  });
+
+  it("takes the CA of a broker's https management API as managementCa, for https only", () => {
+    const dir = mkdtempSync(join(tmpdir(), 'dedup-management-ca-'));
+    const { ca } = makeCertificates(dir);
+    const file = twoRoutes() as ReturnType<typeof twoRoutes> & {
+      brokers: { old: { management?: string; managementCa?: string } };
+    };
+    file.brokers.old.management = 'https://monitor:pw@old-1:15671';
+    file.brokers.old.managementCa = ca;
+    const path = configFile(file);
+    const routes = loadConfigRoutes(path, {}, 'run');
+    expect(routes.map((route) => route.sourceManagementCa)).toEqual([ca, ca]);
+    expect(describeConfig(loadConfigFile(path), routes)).toMatchObject({
+      routes: [{ source: { management: 'https://monitor:***@old-1:15671/', managementCa: ca } }, {}],
+    });
+    file.brokers.old.management = 'http://monitor:pw@old-1:15672';
+    expect(loadError(configFile(file))).toMatch(
+      /: routes\[0\] \(\w+\): brokers\.old\.managementCa: needs brokers\.old\.management to be https:\/\/, not http:\/\//,
+    );
+    file.brokers.old.management = 'https://monitor:pw@old-1:15671';
+    file.brokers.old.managementCa = join(dir, 'missing.pem');
+    expect(loadError(configFile(file))).toMatch(
+      /brokers\.old\.managementCa: cannot read ".*missing\.pem" \(ENOENT\)/,
+    );
+    rmSync(dir, { recursive: true, force: true });
   });
 
   it('describes the effective config with every password masked', () => {
