@@ -109,6 +109,8 @@ async function main(): Promise<void> {
           peakRssMiB: await peakRss(source, target, redisServer),
           latency: await latency(source, target, redisServer),
           loopLatency: await latency(source, target, redisServer, 'amqplib loop'),
+          shovelLatency: await latency(source, target, redisServer, 'Shovel'),
+          parallel: await parallelMigration(source, target, redisServer),
           fullCache: await fullCacheThroughput(source, target, redisServer, redis),
         };
 
@@ -159,9 +161,16 @@ async function main(): Promise<void> {
       );
       say(`Redis memory per committed ID: ${figures.redisBytesPerId.toFixed(1)} B (over ${MEMORY_IDS} IDs)`);
       say(`bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch)`);
+      const { latency: bridgeLatency, shovelLatency, loopLatency, parallel } = figures;
       say(
-        `latency at 1,000 msg/s: p50 ${figures.latency.p50.toFixed(1)} ms, p99 ${figures.latency.p99.toFixed(1)} ms ` +
-          `(amqplib loop: p50 ${figures.loopLatency.p50.toFixed(1)} ms, p99 ${figures.loopLatency.p99.toFixed(1)} ms)`,
+        `latency at 1,000 msg/s, published → delivered: bridge p50 ${bridgeLatency.p50.toFixed(1)} ms, p99 ${bridgeLatency.p99.toFixed(1)} ms; ` +
+          `Shovel p50 ${shovelLatency.p50.toFixed(1)}, p99 ${shovelLatency.p99.toFixed(1)} ` +
+          `(bridge/Shovel ${(bridgeLatency.p50 / shovelLatency.p50).toFixed(2)}× and ${(bridgeLatency.p99 / shovelLatency.p99).toFixed(2)}×); ` +
+          `amqplib loop p50 ${loopLatency.p50.toFixed(1)}, p99 ${loopLatency.p99.toFixed(1)}`,
+      );
+      say(
+        `migrate --parallel 8 over 8 queues: ${Math.round(parallel.parallel)} msg/s against ${Math.round(parallel.single)} for one queue alone ` +
+          `(${(parallel.parallel / parallel.single).toFixed(2)}×); bridge CPU per 1,000 messages ${parallel.cpuParallel.toFixed(0)} ms against ${parallel.cpuSingle.toFixed(0)}`,
       );
       say(
         `throughput with ${CACHE_IDS} IDs in the cache: ${Math.round(figures.fullCache.full)} msg/s vs ${Math.round(figures.fullCache.empty)} empty (${(
@@ -264,7 +273,7 @@ type CpuUse = Record<'mover' | 'source broker' | 'target broker' | 'Redis', numb
 
 /**
  * Waits until the target holds `expected` messages; returns ms from the first to the last, and
- * the CPU ms each process used over that span.
+ * the CPU ms each process had used at the first arrival (see moverDone for the end).
  */
 async function timeArrivals(
   url: string,
@@ -272,33 +281,46 @@ async function timeArrivals(
   expected: number,
   timeoutMs: number,
   pids: Record<keyof CpuUse, number | undefined>,
-): Promise<{ ms: number; cpu: CpuUse }> {
+): Promise<{ ms: number; start: CpuUse }> {
   const connection = await amqp.connect(url);
   const channel = await connection.createChannel();
   const deadline = Date.now() + timeoutMs;
   let first: number | undefined;
-  const names = Object.keys(pids) as (keyof CpuUse)[];
-  const sample = () => Object.fromEntries(names.map((name) => [name, cpuMs(pids[name])])) as CpuUse;
-  let start = sample();
+  let start = cpuSample(pids);
   try {
     for (;;) {
       const { messageCount } = await channel.checkQueue(queue);
-      const now = sample();
+      const now = cpuSample(pids);
       if (messageCount > 0 && first === undefined) {
         first = Date.now();
         start = now;
       }
-      if (messageCount >= expected) {
-        const end = now;
-        const cpu = Object.fromEntries(names.map((name) => [name, end[name] - start[name]])) as CpuUse;
-        return { ms: Date.now() - (first ?? Date.now()), cpu };
-      }
+      if (messageCount >= expected) return { ms: Date.now() - (first ?? Date.now()), start };
       if (Date.now() > deadline) throw new Error(`timed out with ${messageCount}/${expected} on the target`);
       await sleep(20);
     }
   } finally {
     await connection.close();
   }
+}
+
+function cpuSample(pids: Record<keyof CpuUse, number | undefined>): CpuUse {
+  const names = Object.keys(pids) as (keyof CpuUse)[];
+  return Object.fromEntries(names.map((name) => [name, cpuMs(pids[name])])) as CpuUse;
+}
+
+/**
+ * Waits for a mover process to finish on its own (its last acks sent, its connections closed),
+ * sampling its CPU until then, so that the work it does after the last arrival counts too.
+ */
+async function moverDone(mover: ChildProcess, timeoutMs: number): Promise<boolean> {
+  const deadline = Date.now() + timeoutMs;
+  while (mover.exitCode === null && mover.signalCode === null) {
+    cpuMs(mover.pid);
+    if (Date.now() > deadline) return false;
+    await sleep(20);
+  }
+  return true;
 }
 
 /** Counts the target by ID: the bridge must hold each ID once, the others each message once. */
@@ -449,22 +471,41 @@ async function measure(
   const deduplicates = system === 'dedup-bridge';
   const expected = deduplicates ? sent.size : count;
   const mover = startMover(system, source.url, target.url, redis.url, queue, count, source, scope);
-  const { ms, cpu } = await timeArrivals(target.url, queue.targetQueue, expected, 300_000, {
+  const pids = {
     mover: typeof mover === 'string' ? undefined : mover.pid,
     'source broker': source.pid(),
     'target broker': target.pid(),
     Redis: redis.pid(),
-  });
+  };
+  const { ms, start } = await timeArrivals(target.url, queue.targetQueue, expected, 300_000, pids);
+  const label = `${profile.name} ${system}`;
+  if (typeof mover === 'string') {
+    // Shovel acks each message once the target confirmed it: give its last acks time to land.
+    await sleep(300);
+  } else if (!(await moverDone(mover, 60_000))) {
+    failures++;
+    say(`  ${label}: the mover did not finish within 60 s of the last arrival`);
+  }
+  const end = cpuSample(pids);
   const key = `${profile.name} · ${system}`;
   cpuPerThousand[key] ??= [];
   cpuPerThousand[key].push(
-    Object.fromEntries(Object.entries(cpu).map(([name, used]) => [name, (used / count) * 1000])) as CpuUse,
+    Object.fromEntries(
+      Object.entries(end).map(([name, used]) => [
+        name,
+        ((used - start[name as keyof CpuUse]) / count) * 1000,
+      ]),
+    ) as CpuUse,
   );
   await stopMover(mover, source);
-  if ((await depth(source.url, queue.sourceQueue)) !== 0 && system !== 'dedup-bridge') {
-    await sleep(500);
+  // Every system must leave nothing behind: a message still in the source (unacked at the exit,
+  // so given back) would be delivered again by the next run.
+  const left = await depth(source.url, queue.sourceQueue);
+  if (left !== 0) {
+    failures++;
+    say(`  ${label}: ${left} messages left in the source queue`);
   }
-  await verify(target.url, queue.targetQueue, sent, deduplicates, `${profile.name} ${system}`);
+  await verify(target.url, queue.targetQueue, sent, deduplicates, label);
   return count / (Math.max(ms, 1) / 1000);
 }
 
@@ -575,7 +616,10 @@ async function peakRss(source: RabbitNode, target: RabbitNode, redisServer: Redi
   return peakKiB / 1024;
 }
 
-/** End-to-end latency through `dedup-bridge run` at a steady 1,000 msg/s for 10 s. */
+/**
+ * End-to-end latency, from the publish to the source to the delivery on the target, at a steady
+ * 1,000 msg/s for 10 s, through `dedup-bridge run`, the amqplib loop or Shovel.
+ */
 async function latency(
   source: RabbitNode,
   target: RabbitNode,
@@ -584,24 +628,14 @@ async function latency(
 ) {
   const queue = await queues(source.url, target.url);
   const total = QUICK ? 3000 : 10_000;
-  const bridge =
-    system === 'amqplib loop'
-      ? spawn(
-          process.execPath,
-          [
-            '--import',
-            'tsx',
-            `${ROOT}bench/loop.ts`,
-            source.url,
-            queue.sourceQueue,
-            target.url,
-            queue.targetQueue,
-            '500',
-            String(total),
-          ],
-          { stdio: 'ignore', cwd: ROOT },
-        )
-      : spawn(process.execPath, bridgeArgs('run', source, target, redisServer, queue), { stdio: 'ignore' });
+  let mover: ChildProcess | string;
+  if (system === 'dedup-bridge') {
+    mover = spawn(process.execPath, bridgeArgs('run', source, target, redisServer, queue), {
+      stdio: 'ignore',
+    });
+  } else {
+    mover = startMover(system, source.url, target.url, redisServer.url, queue, total, source);
+  }
   await sleep(1500);
   const consumerConnection = await amqp.connect(target.url, { noDelay: true });
   const consumer = await consumerConnection.createChannel();
@@ -629,16 +663,12 @@ async function latency(
     });
   }
   for (let i = 0; i < 100 && samples.length < total; i++) await sleep(100);
-  if (bridge.exitCode === null) {
-    const exited = new Promise((resolve) => bridge.once('exit', resolve));
-    bridge.kill('SIGTERM');
-    await exited;
-  }
+  if (typeof mover === 'string' || mover.exitCode === null) await stopMover(mover, source);
   await producerConnection.close();
   await consumerConnection.close();
   if (samples.length < total) {
     failures++;
-    say(`  latency run: ${total - samples.length} messages did not arrive`);
+    say(`  latency run (${system}): ${total - samples.length} messages did not arrive`);
   }
   const sorted = samples.sort((a, b) => a - b);
   return {
@@ -646,6 +676,107 @@ async function latency(
     p99: sorted[Math.floor(sorted.length * 0.99)] ?? 0,
     samples: sorted.length,
   };
+}
+
+/**
+ * `migrate --parallel 8` over 8 queues against one queue alone, the same number of messages in
+ * all, in alternating rounds: aggregate msg/s of each and the bridge's CPU per 1,000 messages.
+ */
+async function parallelMigration(source: RabbitNode, target: RabbitNode, redisServer: RedisServer) {
+  const profile = PROFILES[0] as Profile;
+  const parallel: number[] = [];
+  const single: number[] = [];
+  const cpu: { parallel: number[]; single: number[] } = { parallel: [], single: [] };
+  for (let round = 0; round < ROUNDS; round++) {
+    for (const width of round % 2 === 0 ? [8, 1] : [1, 8]) {
+      const routes = await Promise.all(Array.from({ length: width }, () => queues(source.url, target.url)));
+      const sent = await Promise.all(
+        routes.map((route) => preload(source.url, route.sourceQueue, profile, Math.floor(MESSAGES / width))),
+      );
+      const expected = sent.reduce((sum, ids) => sum + ids.size, 0);
+      const mover = spawn(
+        process.execPath,
+        [
+          CLI,
+          'migrate',
+          '--source',
+          source.url,
+          ...routes.flatMap((route) => ['--source-queue', route.sourceQueue]),
+          '--target',
+          target.url,
+          '--redis',
+          redisServer.url,
+          '--prefetch',
+          String(PREFETCH),
+          '--parallel',
+          String(width),
+          '--idle-timeout',
+          '200ms',
+          '--log-level',
+          'warn',
+          '--quiet',
+          '--job-name',
+          `bench-parallel-${process.pid}-${round}-${width}`,
+        ],
+        { stdio: 'ignore' },
+      );
+      const { ms, cpuMs: used } = await timeAllArrivals(target.url, routes, expected, mover.pid);
+      if (!(await moverDone(mover, 60_000))) {
+        failures++;
+        say(`  parallel ${width}: the mover did not finish within 60 s of the last arrival`);
+      }
+      const spent = cpuMs(mover.pid) - used;
+      for (const [index, route] of routes.entries()) {
+        await verify(
+          target.url,
+          route.targetQueue,
+          sent[index] as Map<string, number>,
+          true,
+          `parallel ${width}`,
+        );
+      }
+      const rate = expected / (Math.max(ms, 1) / 1000);
+      (width === 8 ? parallel : single).push(rate);
+      (width === 8 ? cpu.parallel : cpu.single).push((spent / expected) * 1000);
+      say(`  parallel migration · round ${round + 1} · ${width} queue(s): ${Math.round(rate)} msg/s`);
+    }
+  }
+  return {
+    parallel: median(parallel),
+    single: median(single),
+    cpuParallel: median(cpu.parallel),
+    cpuSingle: median(cpu.single),
+  };
+}
+
+/** Like timeArrivals, over several target queues together; returns the mover's CPU at the first. */
+async function timeAllArrivals(
+  url: string,
+  routes: { targetQueue: string }[],
+  expected: number,
+  pid: number | undefined,
+): Promise<{ ms: number; cpuMs: number }> {
+  const connection = await amqp.connect(url);
+  const channel = await connection.createChannel();
+  const deadline = Date.now() + 300_000;
+  let first: number | undefined;
+  let start = cpuMs(pid);
+  try {
+    for (;;) {
+      let arrived = 0;
+      for (const route of routes) arrived += (await channel.checkQueue(route.targetQueue)).messageCount;
+      const now = cpuMs(pid);
+      if (arrived > 0 && first === undefined) {
+        first = Date.now();
+        start = now;
+      }
+      if (arrived >= expected) return { ms: Date.now() - (first ?? Date.now()), cpuMs: start };
+      if (Date.now() > deadline) throw new Error(`timed out with ${arrived}/${expected} on the target`);
+      await sleep(20);
+    }
+  } finally {
+    await connection.close();
+  }
 }
 
 /** Throughput of the headline profile with CACHE_IDS committed IDs already in the scope. */

@@ -22,7 +22,8 @@ function orders(): { id: string | Buffer; body: string }[] {
 
 async function main(): Promise<void> {
   process.stdout.write('demo: starting brokers and Redis (or using SOURCE_URL, TARGET_URL, REDIS_URL)…\n');
-  const harness = await startHarness();
+  // Redis with an append-only file, as production needs it (and the bridge warns without one).
+  const harness = await startHarness({ redisAppendonly: true });
   try {
     const suffix = randomBytes(3).toString('hex');
     const sourceQueue = `demo-orders-${suffix}`;

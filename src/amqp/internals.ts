@@ -123,7 +123,8 @@ const FRAME_OVERHEAD = 8;
  */
 export function installLosslessReader(model: ChannelModel): void {
   checkAmqplib(model);
-  readLosslessly(connectionOf(model));
+  // The bridge's own connections: it reads the raw header only, so properties decode lazily.
+  readLosslessly(connectionOf(model), true);
 }
 
 /** The same, for the connection of a channel an application opened (the idempotent consumer). */
@@ -133,12 +134,12 @@ export function installLosslessReaderFor(channel: Channel): void {
   if (typeof connection?.recvFrame !== 'function' || connection.rest === undefined) {
     throw new AmqplibInternalsError('a channel has no connection.recvFrame');
   }
-  readLosslessly(connection);
+  readLosslessly(connection, false);
 }
 
 const LOSSLESS = Symbol('dedup-bridge.lossless-reader');
 
-function readLosslessly(connection: Connection): void {
+function readLosslessly(connection: Connection, lazy: boolean): void {
   const marked = connection as Connection & { [LOSSLESS]?: true };
   if (marked[LOSSLESS]) return;
   marked[LOSSLESS] = true;
@@ -161,8 +162,13 @@ function readLosslessly(connection: Connection): void {
           channel: frame.channel,
           size: Number(payload.readBigUInt64BE(4)),
           // A copy: the payload is a view of the whole socket read.
-          fields: propertiesFor(Buffer.from(payload.subarray(12))),
+          fields: propertiesFor(Buffer.from(payload.subarray(12)), lazy),
         };
+      }
+      if (frame.type === FRAME_BODY && payload.length * 4 < payload.buffer.byteLength) {
+        // A body is a view of the socket read it came in, which holds many messages: kept as a
+        // view, one message in flight would keep the whole read alive (tens of MB at prefetch 500).
+        return { channel: frame.channel, content: Buffer.from(payload) };
       }
       const decoded = decodeFrame(frame);
       if (frame.type === FRAME_METHOD) keepRoutingBytes(decoded as { id?: number; fields?: object }, payload);
@@ -175,6 +181,7 @@ const BASIC_DELIVER = (BASIC_CLASS << 16) | 60;
 const BASIC_GET_OK = (BASIC_CLASS << 16) | 71;
 const BASIC_RETURN = (BASIC_CLASS << 16) | 50;
 const ROUTING_BYTES = Symbol.for('dedup-bridge.routing-bytes');
+const NO_BYTES = Buffer.alloc(0);
 
 /** The exchange and routing key of a delivery as the broker sent them (amqplib decodes them as UTF-8). */
 export interface RoutingBytes {
@@ -185,9 +192,10 @@ export interface RoutingBytes {
 // Keeps the raw exchange and routing key of a deliver, get-ok or return on its decoded fields.
 function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Buffer): void {
   let p = 4;
+  // Copies (a view would keep the whole socket read alive), and none for an empty name.
   const shortstr = () => {
     const length = payload[p] as number;
-    const bytes = Buffer.from(payload.subarray(p + 1, p + 1 + length));
+    const bytes = length === 0 ? NO_BYTES : Buffer.from(payload.subarray(p + 1, p + 1 + length));
     p += 1 + length;
     return bytes;
   };
@@ -273,7 +281,8 @@ export function publishRaw(
   ) {
     throw new ChannelGoneError('channel or connection closed');
   }
-  const exchangeBytes = typeof exchange === 'string' ? Buffer.from(exchange, 'utf8') : exchange;
+  const exchangeBytes =
+    typeof exchange !== 'string' ? exchange : exchange === '' ? NO_BYTES : Buffer.from(exchange, 'utf8');
   const keyBytes = typeof routingKey === 'string' ? Buffer.from(routingKey, 'utf8') : routingKey;
   if (exchangeBytes.length > 255 || keyBytes.length > 255) {
     throw new UnpublishableError('exchange or routing key longer than 255 bytes');
@@ -306,7 +315,9 @@ export function publishRaw(
   p = frameStart(out, p, FRAME_HEADER, ch, headerPayload);
   p = out.writeUInt16BE(BASIC_CLASS, p);
   p = out.writeUInt16BE(0, p); // weight
-  p = out.writeBigUInt64BE(BigInt(content.length), p);
+  // The body size as two 32-bit halves (no BigInt per message).
+  p = out.writeUInt32BE(Math.floor(content.length / 0x1_0000_0000), p);
+  p = out.writeUInt32BE(content.length % 0x1_0000_0000, p);
   p += header.copy(out, p);
   p = out.writeUInt8(FRAME_END, p);
   const buffer = record.buffer;

@@ -149,36 +149,41 @@ export class ContentHeader {
     const out: Record<string, unknown> = {};
     if (this.flags === 0) return out as unknown as MessageProperties;
     BASIC_PROPERTIES.forEach(([name, kind], index) => {
-      const span = this.at[index];
-      if (!span) {
-        out[name] = undefined;
+      if (kind !== 'table' || !this.at[index]) {
+        out[name] = this.propertyAt(index);
         return;
       }
-      const [start, end] = span;
-      if (kind === 'shortstr') out[name] = this.bytes.toString('utf8', start + 1, end);
-      else if (kind === 'octet') out[name] = this.bytes[start];
-      else if (kind === 'longlong') out[name] = Number(this.bytes.readBigUInt64BE(start));
-      else {
-        let decoded: unknown;
-        let known = false;
-        Object.defineProperty(out, name, {
-          enumerable: true,
-          configurable: true,
-          get: () => {
-            if (!known) {
-              decoded = this.decodeForAmqplib(start + 4, end);
-              known = true;
-            }
-            return decoded;
-          },
-          set: (value: unknown) => {
-            decoded = value;
+      let decoded: unknown;
+      let known = false;
+      Object.defineProperty(out, name, {
+        enumerable: true,
+        configurable: true,
+        get: () => {
+          if (!known) {
+            decoded = this.propertyAt(index);
             known = true;
-          },
-        });
-      }
+          }
+          return decoded;
+        },
+        set: (value: unknown) => {
+          decoded = value;
+          known = true;
+        },
+      });
     });
     return out as unknown as MessageProperties;
+  }
+
+  /** One property as amqplib decodes it (undefined when absent). */
+  propertyAt(index: number): unknown {
+    const span = this.at[index];
+    if (!span) return undefined;
+    const [start, end] = span;
+    const kind = BASIC_PROPERTIES[index]?.[1];
+    if (kind === 'shortstr') return this.bytes.toString('utf8', start + 1, end);
+    if (kind === 'octet') return this.bytes[start];
+    if (kind === 'longlong') return Number(this.bytes.readBigUInt64BE(start));
+    return this.decodeForAmqplib(start + 4, end);
   }
 
   /**
@@ -203,43 +208,48 @@ export class ContentHeader {
    */
   splice(edit: { remove: readonly string[]; append: readonly Buffer[]; dropUserId: boolean }): Buffer {
     const table = this.at[HEADERS];
-    const kept: Buffer[] = [];
-    if (this.fields) {
-      for (const span of this.fields) {
-        if (!edit.remove.includes(span.name)) kept.push(this.bytes.subarray(span.start, span.end));
+    // The table body's bytes that stay, as runs between removed fields (fields lie back to back).
+    const kept: [number, number][] = [];
+    let removed = 0;
+    if (table) {
+      let run = table[0] + 4;
+      for (const span of this.fields ?? []) {
+        if (!edit.remove.includes(span.name)) continue;
+        if (span.start > run) kept.push([run, span.start]);
+        run = span.end;
+        removed++;
       }
-    } else if (table) {
-      kept.push(this.bytes.subarray(table[0] + 4, table[1]));
+      if (table[1] > run) kept.push([run, table[1]]);
     }
-    const removed = this.fields ? this.fields.length - kept.length : 0;
     const dropUser = edit.dropUserId && this.at[USER_ID] !== undefined;
     if (removed === 0 && edit.append.length === 0 && !dropUser) return this.bytes;
-
-    const parts: Buffer[] = [];
     let flags = this.flags;
     if (dropUser) flags &= ~flagOf(USER_ID);
     const hasTable = table !== undefined || edit.append.length > 0;
     if (hasTable) flags |= flagOf(HEADERS);
-    const head = Buffer.alloc(2);
-    head.writeUInt16BE(flags, 0);
-    parts.push(head);
-    BASIC_PROPERTIES.forEach((_, index) => {
+    let body = 0;
+    for (const [from, to] of kept) body += to - from;
+    for (const field of edit.append) body += field.length;
+    let size = 2 + (hasTable ? 4 + body : 0);
+    this.at.forEach((span, index) => {
+      if (span && index !== HEADERS && !(index === USER_ID && dropUser)) size += span[1] - span[0];
+    });
+    // Written once into a buffer of its size (no list of parts to concatenate).
+    const out = Buffer.allocUnsafe(size);
+    let p = out.writeUInt16BE(flags, 0);
+    for (let index = 0; index < BASIC_PROPERTIES.length; index++) {
       const span = this.at[index];
       if (index === HEADERS) {
-        if (!hasTable) return;
-        const body = [...kept, ...edit.append];
-        const length = Buffer.alloc(4);
-        length.writeUInt32BE(
-          body.reduce((sum, part) => sum + part.length, 0),
-          0,
-        );
-        parts.push(length, ...body);
-        return;
+        if (!hasTable) continue;
+        p = out.writeUInt32BE(body, p);
+        for (const [from, to] of kept) p += this.bytes.copy(out, p, from, to);
+        for (const field of edit.append) p += field.copy(out, p);
+        continue;
       }
-      if (!span || (index === USER_ID && dropUser)) return;
-      parts.push(this.bytes.subarray(span[0], span[1]));
-    });
-    return Buffer.concat(parts);
+      if (!span || (index === USER_ID && dropUser)) continue;
+      p += this.bytes.copy(out, p, span[0], span[1]);
+    }
+    return out;
   }
 }
 
@@ -250,22 +260,39 @@ function indexOf(property: PropertyName): number {
 /**
  * amqplib's properties for a message, with its raw content header attached (not enumerable). A
  * header that cannot be read gives empty properties, and the reason in place of the raw header:
- * the bridge refuses that message instead of losing its connection over it.
+ * the bridge refuses that message instead of losing its connection over it. `lazy` (the bridge's
+ * own connections, which read the raw header only): each property is decoded when first read, from
+ * getters on the prototype, so a message costs no decoding the bridge does not ask for; such an
+ * object has no own enumerable properties (not for spreading: applications get the eager form).
  */
-export function propertiesFor(bytes: Buffer): MessageProperties {
+export function propertiesFor(bytes: Buffer, lazy = false): MessageProperties {
   let raw: ContentHeader | string;
-  let properties: MessageProperties;
   try {
     raw = new ContentHeader(bytes);
-    properties = raw.toAmqplib();
   } catch (error) {
     if (!(error instanceof ContentHeaderError)) throw error;
     raw = error.message;
-    properties = {} as MessageProperties;
   }
+  if (lazy) return new LazyProperties(raw) as unknown as MessageProperties;
+  const properties = typeof raw === 'string' ? ({} as MessageProperties) : raw.toAmqplib();
   Object.defineProperty(properties, RAW_HEADER, { value: raw, enumerable: false });
   return properties;
 }
+
+class LazyProperties {
+  readonly [RAW_HEADER]: ContentHeader | string;
+  constructor(raw: ContentHeader | string) {
+    this[RAW_HEADER] = raw;
+  }
+}
+BASIC_PROPERTIES.forEach(([name], index) => {
+  Object.defineProperty(LazyProperties.prototype, name, {
+    get(this: LazyProperties) {
+      const raw = this[RAW_HEADER];
+      return typeof raw === 'string' ? undefined : raw.propertyAt(index);
+    },
+  });
+});
 
 /** The raw content header of a message read through a connection the bridge set up. */
 export function contentHeaderOf(properties: MessageProperties): ContentHeader {

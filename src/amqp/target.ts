@@ -10,6 +10,8 @@ import { checkExchangeExists, checkQueueExists, openChannel } from './source.js'
 /** Where a publish that cannot be sent says why. */
 export interface Refusal {
   refusal?: string;
+  /** The broker's words when it closed the channel this publish was in flight on. */
+  closedBy?: string;
 }
 
 /** The reply code with which a broker closes a channel over one message it refuses. */
@@ -28,6 +30,8 @@ export type PublishOutcome =
 interface ChannelEnd {
   closed: boolean;
   byServer: boolean;
+  /** The broker's close text, when it closed the channel over a message. */
+  reason?: string;
 }
 
 interface Pending {
@@ -107,7 +111,10 @@ export class TargetPublisher {
       // expiration, a user_id that is not ours): such a close makes the messages in flight suspects.
       // Any other code (access refused, an exchange deleted) is about the route, never a message:
       // those publishes are lost and go again, or the route stops.
-      if (replyCodeOf(error) === MESSAGE_REFUSED) flag.byServer = true;
+      if (replyCodeOf(error) === MESSAGE_REFUSED) {
+        flag.byServer = true;
+        flag.reason = error.message;
+      }
       this.log.warn({ error: error.message }, `${name} error`);
       if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
     });
@@ -186,14 +193,34 @@ export class TargetPublisher {
     matchKey: string,
     note: Refusal = {},
   ): Promise<PublishOutcome> {
+    return new Promise((resolve) =>
+      this.send(exchange, routingKey, header, content, matchKey, note, resolve),
+    );
+  }
+
+  /**
+   * The same, telling `answered` what the target said: the bridge's hot path, which holds one
+   * promise per batch rather than one per message.
+   */
+  send(
+    exchange: string,
+    routingKey: string | Buffer,
+    header: Buffer,
+    content: Buffer,
+    matchKey: string,
+    note: Refusal,
+    answered: (outcome: PublishOutcome) => void,
+  ): void {
     // The usual case, connected and not held back, without waiting a turn for ready().
     const channel = this.channel;
     if (channel && !this.blocked && !this.drained && !this.closed) {
-      return this.publishOn(channel, exchange, routingKey, header, content, matchKey, note);
+      this.publishOn(channel, exchange, routingKey, header, content, matchKey, note, answered);
+      return;
     }
-    return this.ready().then((ready) =>
-      ready ? this.publishOn(ready, exchange, routingKey, header, content, matchKey, note) : 'lost',
-    );
+    void this.ready().then((ready) => {
+      if (ready) this.publishOn(ready, exchange, routingKey, header, content, matchKey, note, answered);
+      else answered('lost');
+    });
   }
 
   /**
@@ -216,7 +243,10 @@ export class TargetPublisher {
       channel = undefined;
     }
     if (!channel) return 'lost';
-    return this.publishOn(channel, exchange, routingKey, header, content, matchKey, note, false);
+    const trial = channel;
+    return new Promise((resolve) =>
+      this.publishOn(trial, exchange, routingKey, header, content, matchKey, note, resolve, false),
+    );
   }
 
   private publishOn(
@@ -227,37 +257,39 @@ export class TargetPublisher {
     content: Buffer,
     matchKey: string,
     note: Refusal,
+    answered: (outcome: PublishOutcome) => void,
     watchDrain = true,
-  ): Promise<PublishOutcome> {
+  ): void {
     const closed = this.closedFlags.get(channel) as ChannelEnd;
     const pending: Pending = { returned: false };
     this.pending.set(matchKey, pending);
-    return new Promise<PublishOutcome>((resolve) => {
-      const settle = (outcome: PublishOutcome) => {
-        if (this.pending.get(matchKey) === pending) this.pending.delete(matchKey);
-        resolve(outcome);
-      };
-      try {
-        const ok = publishRaw(channel, exchange, routingKey, header, content, (error) => {
-          if (!error) {
-            settle(pending.returned ? 'returned' : 'confirmed');
-            return;
-          }
-          // amqplib calls back with an error both for a nack and for a closed channel; the close
-          // listeners run synchronously, so by the next microtask we know which one it was.
-          queueMicrotask(() => settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked'));
-        });
-        if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
-      } catch (error) {
-        if (error instanceof ChannelGoneError) {
-          settle('lost');
+    const settle = (outcome: PublishOutcome) => {
+      if (this.pending.get(matchKey) === pending) this.pending.delete(matchKey);
+      answered(outcome);
+    };
+    try {
+      const ok = publishRaw(channel, exchange, routingKey, header, content, (error) => {
+        if (!error) {
+          settle(pending.returned ? 'returned' : 'confirmed');
           return;
         }
-        // Nothing was sent: this message cannot go as it is (a header over frame_max, say).
-        note.refusal = error instanceof Error ? error.message : String(error);
-        settle('unpublishable');
+        // amqplib calls back with an error both for a nack and for a closed channel; the close
+        // listeners run synchronously, so by the next microtask we know which one it was.
+        queueMicrotask(() => {
+          if (closed.closed && closed.byServer) note.closedBy = closed.reason;
+          settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked');
+        });
+      });
+      if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
+    } catch (error) {
+      if (error instanceof ChannelGoneError) {
+        settle('lost');
+        return;
       }
-    });
+      // Nothing was sent: this message cannot go as it is (a header over frame_max, say).
+      note.refusal = error instanceof Error ? error.message : String(error);
+      settle('unpublishable');
+    }
   }
 
   private waitForDrain(channel: ConfirmChannel): void {

@@ -4,9 +4,10 @@ import { describe } from '../amqp/errors.js';
 import { encodeValue, rawField } from '../amqp/fields.js';
 import { routingBytesOf } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
+import { refusalOfClose } from '../amqp/refusal.js';
 import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
-import type { ClaimState, DedupCache } from '../dedup/cache.js';
+import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
 import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
 import { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
@@ -70,6 +71,8 @@ interface Entry {
   suspect: number;
   /** Why the bridge refuses it, when it does (said in the log and the park reason). */
   refusal?: string;
+  /** The broker's words when it last closed the target channel while this was in flight. */
+  closedBy?: string;
 }
 
 /** Why a message is refused; 'unreadable', 'unpublishable' and 'loop' come with the detail. */
@@ -84,6 +87,10 @@ class Abandoned extends Error {}
 // An ACL refusal, of the call itself or of a command inside a script.
 const REDIS_NO_PERMISSION = /NOPERM|can't run this command/;
 
+// Claim calls out at once; the messages that arrive meanwhile wait and go as the next batch.
+const MAX_CLAIMS_OUT = 2;
+// The most IDs one commit call takes (a Redis script blocks the server while it runs).
+const MAX_COMMIT_IDS = 1000;
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
@@ -113,6 +120,15 @@ export class Pipeline {
 
   private readonly batch: Entry[] = [];
   private flushScheduled = false;
+  /** Claim calls sent and not yet answered (see flush). */
+  private claimsOut = 0;
+  /** Confirmed batches waiting for the commit call out to come back (see commitSoon). */
+  private readonly commitQueue: {
+    keys: string[];
+    resolve: (results: CommitResult[]) => void;
+    reject: (error: unknown) => void;
+  }[] = [];
+  private committing = false;
   /** IDs in flight in this process → copies of the same ID waiting for its outcome. */
   private readonly inFlight = new Map<string, Entry[]>();
   /** Entries holding a claim that is not yet committed or released (their leases are renewed). */
@@ -152,6 +168,9 @@ export class Pipeline {
     this.renewTimer = setInterval(() => this.renewLeases(), renewEvery);
     await this.source.consume((message) => this.receive(message));
   }
+
+  /** The target's max_message_size, once it refused a message for being larger. */
+  targetSizeLimit: number | undefined;
 
   /** Messages delivered to us and not yet acked or returned to the source. */
   get heldCount(): number {
@@ -338,7 +357,9 @@ export class Pipeline {
 
   private flush(): void {
     this.flushScheduled = false;
-    while (this.batch.length > 0) {
+    // Claims out at once are bounded: under load the next batch fills while they are answered, so
+    // a busy bridge makes fewer, larger Redis calls (each call costs both ends far more than an ID).
+    while (this.batch.length > 0 && this.claimsOut < MAX_CLAIMS_OUT) {
       const entries = this.batch.splice(0, this.settings.batchSize);
       this.track(this.forward(entries));
     }
@@ -363,7 +384,14 @@ export class Pipeline {
   private async forward(entries: Entry[]): Promise<void> {
     const keys = entries.map((entry) => entry.key as string);
     const claimStarted = performance.now();
-    const states = await this.redis('claim', () => this.cache.claim(keys));
+    this.claimsOut++;
+    let states: ClaimState[];
+    try {
+      states = await this.redis('claim', () => this.cache.claim(keys));
+    } finally {
+      this.claimsOut--;
+      if (this.batch.length > 0) this.flush();
+    }
     this.onLatency('claim', secondsSince(claimStarted), entries.length);
     const toPublish: Entry[] = [];
     const busy: Entry[] = [];
@@ -392,7 +420,7 @@ export class Pipeline {
     if (toPublish.length === 0) return;
     if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
-    const outcomes = await Promise.all(toPublish.map((entry) => this.publishUntilAnswered(entry)));
+    const outcomes = await this.publishBatch(toPublish);
     const confirmed: Entry[] = [];
     const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
@@ -408,9 +436,7 @@ export class Pipeline {
     if (confirmed.length > 0) {
       this.settings.afterConfirm?.();
       const commitStarted = performance.now();
-      const results = await this.redis('commit', () =>
-        this.cache.commit(confirmed.map((entry) => entry.key as string)),
-      );
+      const results = await this.commitSoon(confirmed.map((entry) => entry.key as string));
       this.onLatency('commit', secondsSince(commitStarted), confirmed.length);
       confirmed.forEach((entry, index) => {
         this.claimed.delete(entry);
@@ -453,24 +479,40 @@ export class Pipeline {
   }
 
   /**
-   * Publishes until the target answers. A publish lost with its connection may or may not be on
-   * the target: it is sent again, flagged in-doubt, once the target is back.
+   * Publishes a batch until the target answers each message, with one promise for the batch. A
+   * publish lost with its connection may or may not be on the target: it is sent again, flagged
+   * in-doubt, once the target is back.
    */
-  private publishUntilAnswered(entry: Entry): Promise<PublishOutcome> {
+  private publishBatch(entries: Entry[]): Promise<PublishOutcome[]> {
     const started = performance.now();
-    const first = this.publishOnce(entry);
-    const timed = (outcome: PublishOutcome) => {
-      if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
-      return outcome;
-    };
-    return first.then((outcome) =>
-      outcome === 'lost' || outcome === 'killed'
-        ? this.publishAgain(entry, outcome).then(timed)
-        : timed(outcome),
-    );
+    const outcomes = new Array<PublishOutcome>(entries.length);
+    let left = entries.length;
+    return new Promise((resolve, reject) => {
+      const answered = (index: number, outcome: PublishOutcome) => {
+        outcomes[index] = outcome;
+        if (--left > 0) return;
+        this.onLatency('confirm', secondsSince(started), entries.length);
+        resolve(outcomes);
+      };
+      entries.forEach((entry, index) => {
+        const first = (outcome: PublishOutcome) => {
+          if (outcome === 'lost' || outcome === 'killed') {
+            this.publishAgain(entry, outcome).then((again) => answered(index, again), reject);
+          } else {
+            answered(index, outcome);
+          }
+        };
+        try {
+          if (entry.suspect > 0) this.alone(() => this.publish(entry, true)).then(first, reject);
+          else this.send(entry, first);
+        } catch (error) {
+          reject(error);
+        }
+      });
+    });
   }
 
-  /** The rest of publishUntilAnswered, after a first publish was lost or its channel killed. */
+  /** The rest of a publish after a first attempt was lost or its channel killed. */
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
@@ -478,9 +520,10 @@ export class Pipeline {
         entry.suspect++;
         this.rememberSuspect(entry.key as string);
         if (entry.suspect >= 2) {
-          // Alone on its own channel: the close was this message's doing.
-          entry.refusal =
-            'the target closed its channel for this message sent alone (larger than its max_message_size, say)';
+          // Alone on its own channel: the close was this message's doing, and its words say why.
+          const refusal = refusalOfClose(entry.closedBy);
+          entry.refusal = refusal.detail;
+          if (refusal.sizeLimit !== undefined) this.targetSizeLimit = refusal.sizeLimit;
           return 'nacked';
         }
       } else if (outcome !== 'lost' || this.abandoned) {
@@ -549,6 +592,34 @@ export class Pipeline {
    * added, and a `user_id` the target would refuse moved to a header.
    */
   private publish(entry: Entry, alone: boolean): Promise<PublishOutcome> {
+    if (!alone) return new Promise((resolve) => this.send(entry, resolve));
+    const { bytes, routingKey } = this.outgoing(entry);
+    return this.target.publishAlone(
+      this.settings.targetExchange,
+      routingKey,
+      bytes,
+      entry.message.content,
+      entry.matchKey,
+      entry,
+    );
+  }
+
+  /** Publishes on the ordinary channel and tells `answered` what the target said. */
+  private send(entry: Entry, answered: (outcome: PublishOutcome) => void): void {
+    const { bytes, routingKey } = this.outgoing(entry);
+    this.target.send(
+      this.settings.targetExchange,
+      routingKey,
+      bytes,
+      entry.message.content,
+      entry.matchKey,
+      entry,
+      answered,
+    );
+  }
+
+  /** The content header and routing key a message is forwarded with. */
+  private outgoing(entry: Entry): { bytes: Buffer; routingKey: string | Buffer } {
     const message = entry.message;
     const header = entry.header as ContentHeader;
     // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
@@ -575,14 +646,7 @@ export class Pipeline {
       this.settings.targetRoutingKey ??
       routingBytesOf(message.fields)?.routingKey ??
       message.fields.routingKey;
-    return this.target[alone ? 'publishAlone' : 'publish'](
-      this.settings.targetExchange,
-      routingKey,
-      bytes,
-      message.content,
-      entry.matchKey,
-      entry,
-    );
+    return { bytes, routingKey };
   }
 
   /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
@@ -714,6 +778,47 @@ export class Pipeline {
       });
   }
 
+  /**
+   * Commits the keys with the next commit call. One call is out at a time: the batches confirmed
+   * meanwhile go together in the next, so a busy bridge makes one commit call for several batches.
+   */
+  private commitSoon(keys: string[]): Promise<CommitResult[]> {
+    return new Promise((resolve, reject) => {
+      this.commitQueue.push({ keys, resolve, reject });
+      if (!this.committing) void this.drainCommits();
+    });
+  }
+
+  private async drainCommits(): Promise<void> {
+    this.committing = true;
+    try {
+      while (this.commitQueue.length > 0) {
+        let count = 1;
+        let size = this.commitQueue[0]?.keys.length ?? 0;
+        for (const next of this.commitQueue.slice(1)) {
+          if (size + next.keys.length > MAX_COMMIT_IDS) break;
+          size += next.keys.length;
+          count++;
+        }
+        const group = this.commitQueue.splice(0, count);
+        try {
+          const results = await this.redis('commit', () =>
+            this.cache.commit(group.flatMap((item) => item.keys)),
+          );
+          let at = 0;
+          for (const item of group) {
+            item.resolve(results.slice(at, at + item.keys.length));
+            at += item.keys.length;
+          }
+        } catch (error) {
+          for (const item of group) item.reject(error);
+        }
+      }
+    } finally {
+      this.committing = false;
+    }
+  }
+
   /** Runs a cache call until it succeeds: a message never moves on without its claim or commit. */
   private async redis<T>(what: string, call: () => Promise<T>): Promise<T> {
     for (let attempt = 1; ; attempt++) {
@@ -731,7 +836,7 @@ export class Pipeline {
         // The Redis user lacks a command the bridge needs: retrying cannot fix that.
         if (REDIS_NO_PERMISSION.test(describe(error))) {
           throw new FatalConnectError(
-            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that README's Least privilege section lists`,
+            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that docs/security.md, Least privilege, lists`,
           );
         }
         // One line per outage, not one per batch in flight.

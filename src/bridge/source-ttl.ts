@@ -70,9 +70,11 @@ export async function sourceTtlWarnings(
     );
   }
   if (unchecked.length > 0) {
-    const which =
-      unchecked.length < routes.length ? ` for ${unchecked.map((route) => route.route).join(', ')}` : '';
-    log.info(
+    // Routes left out while others are checked are likely an oversight: info. With no management API
+    // at all it would be the same line on every run, telling nothing new: debug.
+    const partial = unchecked.length < routes.length;
+    const which = partial ? ` for ${unchecked.map((route) => route.route).join(', ')}` : '';
+    log[partial ? 'info' : 'debug'](
       `source queue TTL not compared with --dedup-window${which}: give --source-management (or management: for the broker in a config file) to check it`,
     );
   }

@@ -329,7 +329,7 @@ async function checkRedis(
   } catch (error) {
     if (!/^NOPERM/.test((error as Error).message)) throw error;
     throw new FatalConnectError(
-      `${describeRedis(parseRedisUrl(settings.redisUrl))}: the user may not run INFO, which the start-up checks need; grant it +info (see README, Least privilege)`,
+      `${describeRedis(parseRedisUrl(settings.redisUrl))}: the user may not run INFO, which the start-up checks need; grant it +info (see docs/security.md, Least privilege)`,
     );
   } finally {
     redis.disconnect();

@@ -8,7 +8,7 @@ import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
-/** The defaults, documented in README's CLI reference; change both together. */
+/** The defaults, documented in docs/cli.md; change both together. */
 export const DEFAULTS = {
   redis: 'redis://127.0.0.1:6379',
   redisPrefix: 'dedup',
@@ -84,7 +84,7 @@ export interface BridgeSettings {
   redisPrefix: string;
   /**
    * Replicas that must hold each commit before its messages are acked (Redis WAIT); 0: ack as soon
-   * as the master answers. See DedupCache and README, Redis topologies.
+   * as the master answers. See DedupCache and docs/redis.md.
    */
   redisWaitReplicas: number;
   scope: string;

@@ -670,6 +670,10 @@ export class DedupCache {
       shardCall(base, group).catch((error: unknown) => {
         throw this.layoutRefusal(error);
       });
+    if (this.current.shards === 1) {
+      // One shard: every key has the scope's one base (no need to split each key to find it).
+      return (await call(splitKey(keys[0] as string).base, keys as string[])) as unknown[];
+    }
     const groups = this.groups(keys);
     if (groups.size === 1) {
       const [base] = groups.keys();

@@ -136,7 +136,7 @@ export async function migrateQueue(
       problem =
         `${settings.sourceQueue}: ${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
         `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID, ${pipeline.counters.unforwardable} unforwardable); ` +
-        'they stay in the source queue: fix the target binding, or use --park-queue or --on-unroutable dead-letter';
+        `they stay in the source queue: ${stallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable)}`;
     } else if (pipeline.heldCount === 0) {
       // Drained: the source is empty, nothing is in flight, and both stay so for the idle timeout.
       const depth = await readDepth();
@@ -307,4 +307,12 @@ async function deleteIfEmpty(
 
 function describeError(error: unknown): string {
   return error instanceof Error ? (error.message.split('\n')[0] ?? String(error)) : String(error);
+}
+
+/** What to do about messages that stay in the source queue: a size limit is the target's to raise. */
+function stallAdvice(sizeLimit: number | undefined, unroutable: number): string {
+  const setAside = 'or use --park-queue or --on-unroutable dead-letter';
+  if (sizeLimit === undefined) return `fix the target binding, ${setAside}`;
+  const binding = unroutable > 0 ? ' (and fix the target binding for the unroutable ones)' : '';
+  return `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit on the target${binding}, ${setAside} to set them aside`;
 }

@@ -7,7 +7,7 @@ const PREFIX = 'dedup_bridge_';
 
 /**
  * The Prometheus counters, each read from a field of a route's RouteCounters at scrape time (the
- * pipeline keeps counting in plain numbers; nothing in it knows about Prometheus). README's metric
+ * pipeline keeps counting in plain numbers; nothing in it knows about Prometheus). docs/operations.md's metric
  * list follows this table.
  */
 const COUNTERS: readonly [keyof RouteCounters, string, string][] = [

@@ -31,7 +31,7 @@ export const HOW_TO_GET_SERVERS =
  * 2. else its own throwaway RabbitMQ nodes (source, target) and Redis on free loopback ports;
  * 3. else one clear error that says how to get them.
  */
-export async function startHarness(): Promise<Harness> {
+export async function startHarness(options: { redisAppendonly?: boolean } = {}): Promise<Harness> {
   const { SOURCE_URL, TARGET_URL, REDIS_URL } = process.env;
   if (SOURCE_URL && TARGET_URL && REDIS_URL) {
     const source = new URL(SOURCE_URL);
@@ -54,7 +54,7 @@ export async function startHarness(): Promise<Harness> {
   const runDir = newRunDir();
   const source = new RabbitNode(runDir, 'source', { management: true });
   const target = new RabbitNode(runDir, 'target');
-  const redis = new RedisServer(runDir, 'redis');
+  const redis = new RedisServer(runDir, 'redis', options.redisAppendonly ?? false);
   const stop = async () => {
     await Promise.allSettled([source.stop(), target.stop(), redis.stop()]);
     rmSync(runDir, { recursive: true, force: true });

@@ -15,7 +15,7 @@ import {
 } from '../helpers.js';
 import { type AdminServers, adminServers, asUser, type Permissions, redisAdmin } from './privilege-admin.js';
 
-// The Redis ACL of README's "Least privilege" section, for the key prefix `${prefix}`.
+// The Redis ACL of docs/security.md, "Least privilege", for the key prefix `${prefix}`.
 const redisAcl = (prefix: string) => [
   `~${prefix}:*`,
   'resetchannels',
@@ -60,7 +60,7 @@ describe('least privilege: the bridge runs as users with only the documented per
   const redisUser = `${name}-redis`;
   const noScriptsUser = `${name}-redis-no-scripts`;
 
-  // README, "Least privilege": the base grants plus those of the options the tests use.
+  // docs/security.md, "Least privilege": the base grants plus those of the options the tests use.
   const sourcePermissions: Permissions = {
     configure: `^${migrated}$`, // migrate --delete-source-when-empty
     write: '^amq\\.default$', // --park-queue
@@ -251,7 +251,7 @@ describe('least privilege: the bridge runs as users with only the documented per
     const noScripts = await migrate({ redis: noScriptsUser });
     expect(noScripts.code).toBe(2);
     expect(noScripts.stderr).toMatch(
-      /^dedup-bridge: Redis refused the claim call \(NOPERM [^\n]*'eval(sha)?' command\); give the user the ACL that README's Least privilege section lists\n$/,
+      /^dedup-bridge: Redis refused the claim call \(NOPERM [^\n]*'eval(sha)?' command\); give the user the ACL that docs\/security\.md, Least privilege, lists\n$/,
     );
 
     expect(await depthOf(admin.sourceUrl, refusedQueue)).toBe(3);

@@ -368,10 +368,10 @@ describe('redis.waitReplicas (--redis-wait-replicas)', () => {
   });
 });
 
-describe('the README example', () => {
+describe('the example in docs/configuration.md', () => {
   it('is a valid config file', () => {
-    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
-    const example = [...readme.matchAll(/```yaml\n([\s\S]*?)```/g)]
+    const page = readFileSync(new URL('../../docs/configuration.md', import.meta.url), 'utf8');
+    const example = [...page.matchAll(/```yaml\n([\s\S]*?)```/g)]
       .map((match) => match[1] as string)
       .find((text) => text.includes('routes:'));
     expect(example).toBeDefined();

@@ -1,4 +1,4 @@
-import { readFileSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { parse } from 'yaml';
 
@@ -14,14 +14,42 @@ function blocks(markdown: string, language: string): string[] {
 function cliOptions(): Set<string> {
   const source = ['src/cli/options.ts', 'src/cli/cache.ts'].map(read).join('\n');
   const defined = [...source.matchAll(/'(--[a-z-]+)[ '<]/g)].map((match) => match[1] as string);
-  // The benchmark's own options (npm run bench -- …) are documented in the same README.
+  // The benchmark's own options (npm run bench -- …) are documented in the same pages.
   const bench = [...read('bench/run.ts').matchAll(/'(--[a-z-]+)'/g)].map((match) => match[1] as string);
   return new Set([...defined, ...bench, '--help', '--version']);
 }
 
+/** A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces as hyphens. */
+function slug(heading: string): string {
+  return heading
+    .toLowerCase()
+    .replace(/[^\p{L}\p{N} _-]/gu, '')
+    .replace(/ /g, '-');
+}
+
+/** The README and every page in docs/, by path. */
+function pages(): Map<string, string> {
+  const names = readdirSync(new URL('../../docs/', import.meta.url)).filter((name) => name.endsWith('.md'));
+  return new Map(['README.md', ...names.map((name) => `docs/${name}`)].map((path) => [path, read(path)]));
+}
+
+/** The environment variables the CLI reads, from its source. */
+function cliVariables(): string[] {
+  const source = read('src/cli/options.ts');
+  const named = [...source.matchAll(/\.env\(\s*'(DEDUP_BRIDGE_[A-Z_]+)'/g)].map(
+    (match) => match[1] as string,
+  );
+  // The TLS options' variables are derived from their flags: --target-ca is DEDUP_BRIDGE_TARGET_CA.
+  const tls = [...source.matchAll(/'--((?:source|target|redis)-(?:ca|cert|key)) <file>'/g)].map(
+    (match) => `DEDUP_BRIDGE_${(match[1] as string).replace(/-/g, '_').toUpperCase()}`,
+  );
+  return [...named, ...tls];
+}
+
 describe('the docs match the code', () => {
+  const docs = pages();
   const guide = read('docs/migration.md');
-  const readme = read('README.md');
+  const cli = read('docs/cli.md');
   const options = cliOptions();
 
   it('the migration guide’s YAML examples parse, and the CronJob forbids overlapping runs', () => {
@@ -37,21 +65,62 @@ describe('the docs match the code', () => {
     expect(jobFile?.queues).toContainEqual({ source: 'audit', target: 'audit-v2' });
   });
 
-  it('every option the README and the guide mention exists', () => {
-    // Other tools' flags (docker, npm, flock) are not ours.
-    const ours = (line: string) => !/docker|npm |flock|apt-get/.test(line);
-    for (const text of [readme, guide]) {
+  it('every option the README and the docs pages mention exists', () => {
+    expect([...docs.keys()]).toEqual(
+      expect.arrayContaining(['README.md', 'docs/cli.md', 'docs/migration.md']),
+    );
+    // Other tools' flags (docker, npm, node, flock) are not ours.
+    const ours = (line: string) => !/docker|npm |node |flock|apt-get/.test(line);
+    for (const [path, text] of docs) {
       for (const line of text.split('\n').filter(ours)) {
         for (const match of line.matchAll(/(?:^|[\s`[(])(--[a-z][a-z-]+)/g))
-          expect(options).toContain(match[1]);
+          expect(options, `${path}: ${line}`).toContain(match[1]);
       }
     }
   });
 
-  it('documents each exit code the CLI uses', () => {
+  it('the CLI reference lists every option of the CLI', () => {
+    const listed = new Set(
+      [...cli.matchAll(/^\| (?:[a-z]+: )?`(--[a-z-]+)/gm)].map((match) => match[1] as string),
+    );
+    const source = ['src/cli/options.ts', 'src/cli/cache.ts'].map(read).join('\n');
+    for (const match of source.matchAll(/'(--[a-z-]+)[ '<]/g)) {
+      // The TLS cert and key flags share the CA flag's row; the cache tools' are in Operations.
+      const flag = match[1] as string;
+      const mentioned = new RegExp(`${flag}(?![a-z-])`).test(cli + read('docs/operations.md'));
+      expect(listed.has(flag) || mentioned, flag).toBe(true);
+    }
+  });
+
+  it('documents each exit code the CLI uses, in the CLI reference', () => {
     const codes = read('src/errors.ts');
     for (const match of codes.matchAll(/^\s+\w+: (\d+),$/gm)) {
-      expect(readme).toMatch(new RegExp(`^\\| ${match[1]}\\s+\\|`, 'm'));
+      expect(cli).toMatch(new RegExp(`^\\| ${match[1]}\\s+\\|`, 'm'));
+    }
+  });
+
+  it('lists each environment variable the CLI reads, in Configuration', () => {
+    const variables = cliVariables();
+    expect(variables).toContain('DEDUP_BRIDGE_REDIS_KEY');
+    const page = read('docs/configuration.md');
+    for (const variable of variables) expect(page, variable).toContain(`\`${variable}\``);
+  });
+
+  it('every relative link points at a file that exists, and every #anchor at a heading of it', () => {
+    for (const [path, text] of docs) {
+      const folder = new URL(`../../${path}`, import.meta.url);
+      for (const match of text.matchAll(/\]\(([^)\s]+)\)/g)) {
+        const link = match[1] as string;
+        if (/^[a-z]+:/.test(link)) continue;
+        const [file, anchor] = link.split('#') as [string, string | undefined];
+        const target = file === '' ? folder : new URL(file, folder);
+        expect(existsSync(target), `${path}: ${link}`).toBe(true);
+        if (!anchor) continue;
+        const headings = [...readFileSync(target, 'utf8').matchAll(/^#+ (.+)$/gm)].map((heading) =>
+          slug(heading[1] as string),
+        );
+        expect(headings, `${path}: ${link}`).toContain(anchor);
+      }
     }
   });
 });

@@ -899,6 +899,24 @@ describe('propertiesFor', () => {
     expect(RAW_HEADER in { ...properties }).toBe(false);
   });
 
+  it("lazily (the bridge's own connections): each property reads as amqplib decodes it", () => {
+    const bytes = basicProperties(EVERY_PROPERTY);
+    const lazy = propertiesFor(bytes, true) as unknown as Record<string, unknown>;
+    const expected = amqplibDefs.decode(BASIC_CLASS, bytes) as unknown as Record<string, unknown>;
+    expect(Object.keys(expected).length).toBe(14);
+    for (const [name, value] of Object.entries(expected)) expect(lazy[name]).toEqual(value);
+    expect(contentHeaderOf(lazy as never).bytes).toBe(bytes);
+    // A header with none of them set reads as undefined throughout, not as the other message's.
+    const empty = propertiesFor(hex('00 00'), true) as unknown as Record<string, unknown>;
+    for (const name of Object.keys(expected)) expect(empty[name]).toBeUndefined();
+  });
+
+  it('lazily, an unreadable header still carries its reason', () => {
+    const properties = propertiesFor(hex('00 01'), true);
+    expect(() => contentHeaderOf(properties)).toThrow(/continuation|flags continue/);
+    expect((properties as unknown as Record<string, unknown>).messageId).toBeUndefined();
+  });
+
   it('refuses properties that were not read through the lossless reader', () => {
     expect(() => contentHeaderOf(amqplibDefs.decode(BASIC_CLASS, basicProperties()))).toThrow(
       ContentHeaderError,
