@@ -375,11 +375,27 @@ describe('the example in docs/configuration.md', () => {
       .map((match) => match[1] as string)
       .find((text) => text.includes('routes:'));
     expect(example).toBeDefined();
-    const routes = loadConfigRoutes(configFile(example as string), {}, 'run');
-    expect(routes.map((route) => [route.route, route.sourceUrls.length])).toEqual([
-      ['orders', 2],
-      ['audit', 2],
-    ]);
+    // The example reads its URLs from mounted secrets and variables: give it those.
+    const secrets = mkdtempSync(join(tmpdir(), 'dedup-secrets-'));
+    for (const name of ['old-1', 'old-2', 'new']) {
+      writeFileSync(join(secrets, name), `amqp://bridge:secret@${name}:5672/prod\n`);
+    }
+    process.env.OLD_MANAGEMENT_URL = 'http://monitor:secret@old-1:15672';
+    process.env.DEDUP_REDIS_URL = 'redis://:secret@cache:6379';
+    try {
+      const text = (example as string).replaceAll('/run/secrets/', `${secrets}/`);
+      const routes = loadConfigRoutes(configFile(text), {}, 'run');
+      expect(routes.map((route) => [route.route, route.sourceUrls])).toEqual([
+        ['orders', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
+        ['audit', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
+      ]);
+      expect(routes[0]?.redisUrl).toBe('redis://:secret@cache:6379');
+      expect(routes[0]?.sourceManagementUrl).toBe('http://monitor:secret@old-1:15672');
+    } finally {
+      delete process.env.OLD_MANAGEMENT_URL;
+      delete process.env.DEDUP_REDIS_URL;
+      rmSync(secrets, { recursive: true, force: true });
+    }
   });
 });
 
