@@ -1,5 +1,5 @@
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -108,12 +108,12 @@ describe('passwords are never printed, however they are given', () => {
     return path;
   }
 
-  it('run at debug level: the forwarding line shows the URLs with *** for the password and ?password=', async () => {
+  it('run at trace level: the forwarding line shows the URLs with *** for the password and ?password=', async () => {
     const { from, to } = await pair();
     const bridge = startCli([
       'run',
       ...['--source', source, '--source-queue', from, '--target', target, '--target-queue', to],
-      ...['--redis', redisUrl, '--source-management', management, '--log-level', 'debug'],
+      ...['--redis', redisUrl, '--source-management', management, '--log-level', 'trace'],
     ]);
     expect(await waitFor(async () => (await depthOf(admin.targetUrl, to)) === MESSAGES)).toBe(true);
     bridge.signal('SIGTERM');
@@ -129,11 +129,12 @@ describe('passwords are never printed, however they are given', () => {
 
   it('migrate with every URL from a *_FILE variable: forwards, and prints no password', async () => {
     const { from, to } = await pair();
+    const report = join(files, 'report.json');
     const result = await runCli(
       [
         'migrate',
         ...['--source-queue', from, '--target-queue', to, '--idle-timeout', '300ms'],
-        ...['--log-level', 'debug'],
+        ...['--log-level', 'debug', '--report', report],
       ],
       {
         env: {
@@ -151,7 +152,37 @@ describe('passwords are never printed, however they are given', () => {
         .map((m) => m.body)
         .sort(),
     );
+    expectNoSecret(result.stdout + result.stderr + readFileSync(report, 'utf8'), all);
+  });
+
+  it('a job file with { file } and { env } in place of URLs: migrate forwards, and prints no password', async () => {
+    const { from, to } = await pair();
+    const job = join(files, 'job.yaml');
+    writeFileSync(
+      job,
+      [
+        `source: { file: ${secretFile('job-source', source)} }`,
+        'target: { env: SECRET_JOB_TARGET }',
+        `redis: { file: ${secretFile('job-redis', redisUrl)} }`,
+        `queues: [{ source: ${from}, target: ${to} }]`,
+        '',
+      ].join('\n'),
+    );
+    const result = await runCli(
+      ['migrate', '--job-file', job, '--idle-timeout', '300ms', '--log-level', 'debug'],
+      { env: { SECRET_JOB_TARGET: target } },
+    );
+    expect(result.code, result.stderr).toBe(0);
+    expect(await depthOf(admin.sourceUrl, from)).toBe(0);
+    expect(await depthOf(admin.targetUrl, to)).toBe(MESSAGES);
     expectNoSecret(result.stdout + result.stderr, all);
+
+    writeFileSync(job, `source: { file: /nope/source }\nqueues: [${from}]\n`);
+    const missing = await runCli(['migrate', '--job-file', job]);
+    expect(missing.code).toBe(2);
+    expect(missing.stderr).toBe(
+      `dedup-bridge: --job-file ${job}: source.file: cannot read "/nope/source" (ENOENT); give a readable file that holds the URL\n`,
+    );
   });
 
   it('a config file with { file } and { env } in place of URLs: config check masks them, run --config forwards', async () => {
