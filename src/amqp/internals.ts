@@ -195,7 +195,12 @@ function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Bu
   // Copies (a view would keep the whole socket read alive), and none for an empty name.
   const shortstr = () => {
     const length = payload[p] as number;
-    const bytes = length === 0 ? NO_BYTES : Buffer.from(payload.subarray(p + 1, p + 1 + length));
+    let bytes = NO_BYTES;
+    if (length > 0) {
+      // Copied without a view in between (a view of a large read is costly to make).
+      bytes = Buffer.allocUnsafe(length);
+      payload.copy(bytes, 0, p + 1, p + 1 + length);
+    }
     p += 1 + length;
     return bytes;
   };

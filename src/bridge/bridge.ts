@@ -243,6 +243,8 @@ export async function startBridge(
     'forwarding',
   );
   const connectedRedis = redis;
+  // Named once: migrate asks for outages every poll.
+  const redisLabel = `Redis at ${redactUrl(settings.redisUrl)}`;
   return {
     route: settings.route,
     pipeline,
@@ -253,7 +255,7 @@ export async function startBridge(
       const down: [string, number | undefined][] = [
         [sourceLink.where, sourceLink.downSince],
         [targetLink.where, targetLink.downSince],
-        [`Redis at ${redactUrl(settings.redisUrl)}`, redisDownSince],
+        [redisLabel, redisDownSince],
         // Commits wait for replicas that are not there: an outage of what --redis-wait-replicas asks.
         [
           `${settings.redisWaitReplicas} Redis replica(s) for --redis-wait-replicas`,

@@ -47,6 +47,22 @@ async function open(options: CacheOptions) {
   return { redis, prefix: options.redisPrefix ?? DEFAULTS.redisPrefix, scope };
 }
 
+/**
+ * A command the --redis user may not run is a missing grant, not a bug: one line naming the refused
+ * command, exit 2 (cache stats and reset-scope need SCAN, which the bridge's own ACL leaves out).
+ */
+async function needingGrants<T>(tool: string, work: () => Promise<T>): Promise<T> {
+  try {
+    return await work();
+  } catch (error) {
+    const message = error instanceof Error ? error.message : String(error);
+    if (!/^NOPERM/.test(message)) throw error;
+    throw new ConfigError(
+      `${tool}: Redis refused a command it needs (${message}); give the --redis user the grants that docs/security.md, Least privilege, lists for this tool`,
+    );
+  }
+}
+
 function collect(value: string, previous: string[] | undefined): string[] {
   return [...(previous ?? []), value];
 }
@@ -90,7 +106,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
     const ids = idsOf(texts, options, 'inspect');
     const { redis, prefix, scope } = await open(options);
     try {
-      for (const row of await inspectIds(redis, prefix, scope, ids)) {
+      for (const row of await needingGrants('inspect', () => inspectIds(redis, prefix, scope, ids))) {
         const owner = row.owner ? ` · owner ${row.owner}` : '';
         const lease = row.state === 'claimed' ? ` · lease ${humanDuration(row.leaseMs)}` : '';
         const expires = row.state === 'unknown' ? '' : ` · expires in ${humanDuration(row.ttlMs)}`;
@@ -107,7 +123,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
     async (options: CacheOptions) => {
       const { redis, prefix, scope } = await open(options);
       try {
-        const stats = await scopeStats(redis, prefix, scope);
+        const stats = await needingGrants('cache stats', () => scopeStats(redis, prefix, scope));
         process.stdout.write(
           `scope ${scope}: ${stats.committed} committed IDs, ${stats.claimed} claims, about ${Math.round(stats.approxBytes / 1024)} KiB\n`,
         );
@@ -130,7 +146,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
       }
       const { redis, prefix, scope } = await open(options);
       try {
-        const removed = await forgetIds(redis, prefix, scope, ids);
+        const removed = await needingGrants('cache forget', () => forgetIds(redis, prefix, scope, ids));
         ids.forEach((id, index) => {
           const what = removed[index] ? 'forgotten' : 'not held';
           process.stdout.write(`${id.label}\tkey ${id.key}\t${what}\n`);
@@ -163,7 +179,9 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
       }
       const { redis, prefix, scope } = await open(options);
       try {
-        const result = await resetScope(redis, prefix, scope, { force: options.force === true });
+        const result = await needingGrants('cache reset-scope', () =>
+          resetScope(redis, prefix, scope, { force: options.force === true }),
+        );
         const forgotten =
           result.committed + result.staleClaims > 0
             ? `; forgot ${result.committed} committed ID(s) and ${result.staleClaims} claim(s) left in doubt`

@@ -45,6 +45,17 @@ export interface IdempotentConsumerOptions {
   retryDelayMs?: number;
   /** Told of handler and Redis failures (the message is retried). */
   onError?: (error: unknown, message: ConsumeMessage) => void;
+  /**
+   * Handle only messages RabbitMQ vouched for. RabbitMQ refuses a publish whose `user_id` is not
+   * the publishing connection's user, so `user_id` is the one property a producer cannot forge.
+   * `true`: a message without `user_id` is refused; a list of user names: so is one whose
+   * `user_id` is not in it. A refused message is not handled and its ID not recorded: it is
+   * nacked without requeue (the queue's dead-letter exchange gets it, if it has one), counted in
+   * `counts.refused` and told to `onRefused`.
+   */
+  requireUserId?: boolean | readonly string[];
+  /** Told of each message `requireUserId` refused, with why. */
+  onRefused?: (message: ConsumeMessage, reason: string) => void;
 }
 
 export interface IdempotentConsumer {
@@ -59,6 +70,8 @@ export interface IdempotentConsumer {
     failures: number;
     withoutId: number;
     lost: number;
+    /** Refused by `requireUserId`: nacked without requeue, not handled. */
+    refused: number;
   };
   /** Stops consuming, waits for the messages in hand, and closes the consumer's own Redis connections. */
   stop(): Promise<void>;
@@ -109,6 +122,7 @@ export async function createIdempotentConsumer(
       `createIdempotentConsumer: prefix "${options.prefix}" must be non-empty, without braces, colons or spaces`,
     );
   }
+  const vouched = senderCheck(options.requireUserId);
   // IDs are keyed by their bytes on the wire, as the bridge keys them (amqplib's decoded headers
   // lose 64-bit precision and bytes that are not UTF-8): read this connection's headers raw.
   installLosslessReaderFor(channel);
@@ -134,7 +148,7 @@ export async function createIdempotentConsumer(
   let nextLane = 0;
   const takeLane = (): CommitLane => lanes[nextLane++ % lanes.length] as CommitLane;
 
-  const counts = { processed: 0, duplicates: 0, failures: 0, withoutId: 0, lost: 0 };
+  const counts = { processed: 0, duplicates: 0, failures: 0, withoutId: 0, lost: 0, refused: 0 };
   const attempts = new Map<string, number>();
   const inFlight = new Map<string, Promise<void>>();
   // Consecutive Redis failures, whatever the message: the backoff grows while Redis is unwell.
@@ -209,6 +223,18 @@ export async function createIdempotentConsumer(
   };
 
   const claimAndRun = async (message: ConsumeMessage): Promise<void> => {
+    // Before the ID is looked at: a forged ID must not claim anything, nor mark a genuine one.
+    const refusal = vouched(message);
+    if (refusal !== undefined) {
+      counts.refused++;
+      try {
+        channel.nack(message, false, false);
+      } catch {}
+      try {
+        options.onRefused?.(message, refusal);
+      } catch {}
+      return;
+    }
     const idKey = idKeyOf(message);
     if (idKey === undefined) {
       counts.withoutId++;
@@ -470,6 +496,34 @@ async function execOrThrow(transaction: ChainableCommander): Promise<void> {
 /** A claim value is `c:<owner token>:…` (see claim.lua); a token never contains ':'. */
 function ownsClaim(value: unknown, token: string): boolean {
   return typeof value === 'string' && value.startsWith(`c:${token}:`);
+}
+
+/**
+ * The check `requireUserId` asks for: why a message is refused, or undefined when RabbitMQ vouched
+ * for a sender it trusts. Reads `user_id` from the bytes on the wire, as the broker checked it.
+ */
+function senderCheck(
+  requireUserId: boolean | readonly string[] | undefined,
+): (message: ConsumeMessage) => string | undefined {
+  if (requireUserId === undefined || requireUserId === false) return () => undefined;
+  if (requireUserId !== true && (!Array.isArray(requireUserId) || requireUserId.length === 0)) {
+    throw new ConfigError(
+      'createIdempotentConsumer: requireUserId must be true or a non-empty list of RabbitMQ user names',
+    );
+  }
+  const trusted = requireUserId === true ? undefined : new Set(requireUserId);
+  return (message) => {
+    let userId: string | undefined;
+    try {
+      userId = contentHeaderOf(message.properties).userIdBytes?.toString('utf8');
+    } catch (error) {
+      if (!(error instanceof ContentHeaderError)) throw error;
+      return 'its properties cannot be read';
+    }
+    if (userId === undefined) return 'no user_id: RabbitMQ did not vouch for the sender';
+    if (trusted && !trusted.has(userId)) return `user_id "${userId}" is not a trusted sender`;
+    return undefined;
+  };
 }
 
 /** The cache key of a message's `_HQ_DUPL_ID`, from its bytes on the wire, as the bridge keys it. */

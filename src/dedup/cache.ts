@@ -3,7 +3,7 @@ import { readFileSync } from 'node:fs';
 import { type ChainableCommander, Cluster, type Redis } from 'ioredis';
 import { formatDuration } from '../config/duration.js';
 import { ConfigError } from '../errors.js';
-import type { RedisClient } from './redis.js';
+import { asMissingGrant, type RedisClient } from './redis.js';
 
 export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
 export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
@@ -304,6 +304,14 @@ export class DedupCache {
 
   /** Reads the scope's layout, or records one for a new scope, and returns the cache. */
   static async open(redis: RedisClient, options: DedupCacheOptions): Promise<DedupCache> {
+    try {
+      return await DedupCache.openScope(redis, options);
+    } catch (error) {
+      throw asMissingGrant(error, 'opening the dedup scope');
+    }
+  }
+
+  private static async openScope(redis: RedisClient, options: DedupCacheOptions): Promise<DedupCache> {
     await requireRedisVersion(redis);
     const key = layoutKey(options.prefix, options.scope);
     const cluster = (redis as unknown as { isCluster?: boolean }).isCluster === true;

@@ -114,7 +114,17 @@ const ANY_WINDOW = Number.MAX_SAFE_INTEGER;
 async function openScope(redis: RedisClient, prefix: string, scope: string): Promise<DedupCache> {
   const cache = await DedupCache.existing(redis, { prefix, scope, windowMs: ANY_WINDOW });
   if (cache) return cache;
-  const scopes = await listScopes(redis, prefix);
+  // Listing the scopes takes SCAN, which the bridge's minimal ACL leaves out (it would show every
+  // key name in the database): without it the error names the scope only.
+  const scopes = await listScopes(redis, prefix).catch((error: Error) => {
+    if (/NOPERM/.test(error.message)) return undefined;
+    throw error;
+  });
+  if (scopes === undefined) {
+    throw new NoSuchScopeError(
+      `--scope: no such scope "${scope}" under --redis-prefix "${prefix}" (this Redis user may not SCAN, so the stored scopes are not listed); check --scope, --redis and --redis-prefix`,
+    );
+  }
   const shown = scopes.slice(0, 20).join(', ');
   const more = scopes.length > 20 ? ` and ${scopes.length - 20} more` : '';
   throw new NoSuchScopeError(

@@ -10,7 +10,7 @@ import {
   type RedisTopology,
 } from '../config/redis-url.js';
 import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
-import { FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
+import { ConfigError, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { masterNodes } from './slots.js';
 
@@ -25,8 +25,14 @@ const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR
  * it keeps retrying, so that fixing Redis's side resumes it without a restart.
  */
 function refusal(where: string, error: Error, reconnecting: boolean): string {
-  const code = FATAL_REPLY.exec(error.message)?.[1] ?? error.message;
-  const what = 'authentication or database refused; check the user, password and database in the URL';
+  let code = FATAL_REPLY.exec(error.message)?.[1] ?? error.message;
+  let what = 'authentication or database refused; check the user, password and database in the URL';
+  if (code === 'NOPERM') {
+    // Redis names the command (SELECT for a database other than 0): say which grant is missing.
+    code = error.message.split('\n')[0] as string;
+    what =
+      'a command ioredis sends on connecting is not granted to the user; add it (docs/security.md, Least privilege, lists the ACL per topology)';
+  }
   return reconnecting
     ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
     : `${where}: ${code} — ${what}`;
@@ -40,6 +46,18 @@ function sentinelRefusal(where: string, code: string): string {
   return `${where}: ${code} from the sentinels — they refused their credentials; check sentinelUsername and sentinelPassword in the URL's query (the sentinels' own, which may differ from the master's)`;
 }
 
+/**
+ * An ACL refusal (NOPERM: Redis names the command) as what it is, a grant missing from the user:
+ * one line and exit 2, since retrying cannot fix it. Any other error is returned unchanged.
+ */
+export function asMissingGrant(error: unknown, what: string): unknown {
+  const message = error instanceof Error ? (error.message.split('\n')[0] as string) : String(error);
+  if (!/^NOPERM/.test(message)) return error;
+  return new ConfigError(
+    `Redis refused ${what} (${message}); give the user the ACL that docs/security.md, Least privilege, lists`,
+  );
+}
+
 const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);
 
 /** Builds the ioredis client for a topology, not yet connected. */
@@ -48,6 +66,8 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
     maxRetriesPerRequest: null,
     connectionName: 'dedup-bridge',
     connectTimeout: 5000,
+    // CLIENT SETINFO (library name and version) would need a grant of its own in a minimal ACL.
+    disableClientInfo: true,
   };
   if (topology.kind === 'standalone')
     return new Redis(topology.url, {

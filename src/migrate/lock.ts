@@ -1,6 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
-import type { RedisClient } from '../dedup/redis.js';
+import { asMissingGrant, type RedisClient } from '../dedup/redis.js';
 import { BridgeError, ExitCode } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 
@@ -57,7 +57,9 @@ export class JobLock {
     const key = `${prefix}:job:${job}`;
     const holder: Holder = { owner, host: hostname(), pid: process.pid, since: new Date().toISOString() };
     const value = JSON.stringify(holder);
-    const taken = await redis.set(key, value, 'PX', leaseMs, 'NX');
+    const taken = await redis.set(key, value, 'PX', leaseMs, 'NX').catch((error: unknown) => {
+      throw asMissingGrant(error, 'taking the job lock');
+    });
     if (taken !== 'OK') {
       const current = await redis.get(key);
       throw new JobLockedError(

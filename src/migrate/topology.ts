@@ -1,7 +1,7 @@
 import { request as httpRequest } from 'node:http';
 import { request as httpsRequest } from 'node:https';
 import { connectAmqp } from '../amqp/connect.js';
-import { replyCodeOf } from '../amqp/errors.js';
+import { describe, replyCodeOf } from '../amqp/errors.js';
 import { redactSecrets, redactUrl, secretsOf } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { readCaFile, tlsFailure } from '../config/tls.js';
@@ -192,8 +192,16 @@ export async function declareTargetQueues(
           );
         }
         if (replyCodeOf(error) === 403) {
+          // The broker names what it refused: configure on the queue, or with a dead-letter
+          // exchange also read on the queue and write on that exchange.
+          const detail = /ACCESS_REFUSED - ([^"]*)/.exec(describe(error))?.[1] ?? describe(error);
+          const dlx = args['x-dead-letter-exchange'];
+          const withDlx =
+            typeof dlx === 'string'
+              ? ` (with dead-letter exchange "${dlx}" it also needs read permission on the queue and write permission on "${dlx || 'amq.default'}")`
+              : '';
           throw new FatalConnectError(
-            `--declare-target: creating target queue "${queue}" refused for user "${route.targetUser}"; grant it configure permission on the queue, or declare the queue beforehand`,
+            `--declare-target: creating target queue "${queue}" refused: ${detail}; grant the user configure permission on the queue${withDlx}, or declare the queue beforehand`,
           );
         }
         throw error;

@@ -24,6 +24,7 @@ import {
   uniqueName,
   waitFor,
 } from '../helpers.js';
+import { adminServers, asUser } from './privilege-admin.js';
 
 describe('the library: producers, units and the idempotent consumer', () => {
   let redis: Redis;
@@ -524,6 +525,109 @@ describe('the library: producers, units and the idempotent consumer', () => {
       await broker.close();
     }
     expect(await depthOf(targetUrl, queue)).toBe(1);
+  });
+
+  it('requireUserId: only messages whose user_id RabbitMQ checked and the list trusts are handled; a forged ID without one is refused and marks nothing; a forged user_id is refused by RabbitMQ', async () => {
+    const admin = await adminServers();
+    const other = uniqueName('other-publisher');
+    const password = uniqueName('pw');
+    const queue = uniqueName('vouched');
+    const deadLetters = `${queue}-refused`;
+    try {
+      await admin.addUsers('source', [
+        { name: other, password, permissions: { configure: '^$', write: '^amq\\.default$', read: '^$' } },
+      ]);
+      const trustedUser = new URL(admin.sourceUrl).username || 'guest';
+      const broker = await openBroker(admin.sourceUrl);
+      await broker.channel.assertQueue(deadLetters, { durable: true });
+      await broker.channel.assertQueue(queue, {
+        durable: true,
+        arguments: { 'x-dead-letter-exchange': '', 'x-dead-letter-routing-key': deadLetters },
+      });
+      const send = async (via: typeof broker, id: string, userId?: string) => {
+        via.channel.publish('', queue, Buffer.from(`${id} from ${userId ?? 'nobody'}`), {
+          headers: { _HQ_DUPL_ID: id },
+          ...(userId === undefined ? {} : { userId }),
+        });
+        await via.channel.waitForConfirms();
+      };
+      // A producer that may publish but is not trusted sends order-42 first, without user_id ...
+      await send(broker, 'order-42');
+      await send(broker, 'no-user-1');
+      // ... and the trusted one sends the genuine order-42, naming itself (RabbitMQ checks that).
+      await send(broker, 'order-42', trustedUser);
+      await send(broker, 'trusted-1', trustedUser);
+      // Another user, with its own (checked) user_id: vouched for, but not in the list.
+      const otherBroker = await openBroker(asUser(admin.sourceUrl, other, password));
+      await send(otherBroker, 'other-1', other);
+      // Forging user_id: RabbitMQ refuses the publish, closing the channel with the reason.
+      const reason = new Promise<string>((resolve) =>
+        otherBroker.channel.on('error', (error: Error) => resolve(error.message)),
+      );
+      const forged = await send(otherBroker, 'forged-1', trustedUser).then(
+        () => 'accepted',
+        () => 'refused',
+      );
+      expect(forged).toBe('refused');
+      expect(await reason).toMatch(
+        new RegExp(
+          `PRECONDITION_FAILED - user_id property set to '${trustedUser}' but authenticated user was '${other}'`,
+        ),
+      );
+      await otherBroker.close();
+      expect(await depthOf(admin.sourceUrl, queue)).toBe(5);
+
+      // A list that is empty or not a list is refused before consuming.
+      await expect(
+        createIdempotentConsumer({
+          channel: broker.channel,
+          queue,
+          redis,
+          scope: uniqueName('app'),
+          requireUserId: [],
+          handler: () => {},
+        }),
+      ).rejects.toThrow(/requireUserId must be true or a non-empty list of RabbitMQ user names/);
+
+      const consumerBroker = await openBroker(admin.sourceUrl);
+      const handled: string[] = [];
+      const refused: string[] = [];
+      const consumer = await createIdempotentConsumer({
+        channel: consumerBroker.channel,
+        queue,
+        redis,
+        scope: uniqueName('app'),
+        requireUserId: [trustedUser],
+        handler: (message) => {
+          handled.push(message.content.toString());
+        },
+        onRefused: (message, reason) => {
+          refused.push(`${message.content.toString()}: ${reason}`);
+        },
+      });
+      expect(await waitFor(() => consumer.counts.processed + consumer.counts.refused === 5)).toBe(true);
+      await consumer.stop();
+      await consumerBroker.close();
+      await broker.close();
+      expect(handled.sort()).toEqual([`order-42 from ${trustedUser}`, `trusted-1 from ${trustedUser}`]);
+      expect(refused.sort()).toEqual([
+        'no-user-1 from nobody: no user_id: RabbitMQ did not vouch for the sender',
+        `order-42 from nobody: no user_id: RabbitMQ did not vouch for the sender`,
+        `other-1 from ${other}: user_id "${other}" is not a trusted sender`,
+      ]);
+      expect(consumer.counts).toMatchObject({ processed: 2, duplicates: 0, refused: 3, failures: 0 });
+      // Refused: dead-lettered, not requeued.
+      expect(await depthOf(admin.sourceUrl, queue)).toBe(0);
+      const dead = await takeAll(admin.sourceUrl, deadLetters);
+      expect(dead.map((message) => message.content.toString()).sort()).toEqual([
+        'no-user-1 from nobody',
+        'order-42 from nobody',
+        `other-1 from ${other}`,
+      ]);
+    } finally {
+      await admin.deleteUsers('source', [other]).catch(() => {});
+      await admin.stop();
+    }
   });
 });
 

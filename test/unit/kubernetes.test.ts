@@ -35,6 +35,8 @@ interface PodSpec {
   containers: Container[];
   volumes?: { name: string; configMap?: { name: string; items?: { key: string; path: string }[] } }[];
   terminationGracePeriodSeconds?: number;
+  automountServiceAccountToken?: boolean;
+  securityContext?: { runAsNonRoot?: boolean; seccompProfile?: { type: string } };
 }
 
 const API_VERSION: Record<string, string> = {
@@ -43,6 +45,7 @@ const API_VERSION: Record<string, string> = {
   ConfigMap: 'v1',
   Secret: 'v1',
   Service: 'v1',
+  NetworkPolicy: 'networking.k8s.io/v1',
 };
 
 function readManifests(): Manifest[] {
@@ -133,6 +136,42 @@ describe('the Kubernetes manifests in docs/kubernetes', () => {
       expect(service.spec.selector).toEqual(deployment.spec.selector.matchLabels);
       for (const port of service.spec.ports) expect(portOf(port.targetPort)).toBe(metricsPort);
     }
+  });
+
+  it('every pod runs without a service account token, as non-root, under the runtime’s seccomp profile', () => {
+    for (const { manifest, pod } of workloads) {
+      expect(pod.automountServiceAccountToken, manifest.file).toBe(false);
+      expect(pod.securityContext?.runAsNonRoot, manifest.file).toBe(true);
+      expect(pod.securityContext?.seccompProfile, manifest.file).toEqual({ type: 'RuntimeDefault' });
+    }
+  });
+
+  it('NetworkPolicies let in only Prometheus, on the Deployment’s metrics port, and nothing to the CronJob’s pods', () => {
+    const policies = byKind('NetworkPolicy');
+    const policyFor = (labels: Record<string, string>) =>
+      policies.filter((policy) =>
+        Object.entries(policy.spec.podSelector.matchLabels ?? {}).every(
+          ([key, value]) => labels[key] === value,
+        ),
+      );
+    const deployment = byKind('Deployment')[0] as Manifest;
+    const [bridge, ...otherBridge] = policyFor(deployment.spec.template.metadata.labels);
+    expect(otherBridge).toEqual([]);
+    expect(bridge?.spec.policyTypes).toEqual(['Ingress']);
+    const container = (deployment.spec.template.spec as PodSpec).containers[0] as Container;
+    const metricsPort = container.ports?.find(
+      (port) => port.containerPort === Number(argOf(container, '--metrics-port')),
+    );
+    expect(bridge?.spec.ingress).toHaveLength(1);
+    const [rule] = bridge?.spec.ingress ?? [];
+    expect(rule.ports).toEqual([{ protocol: 'TCP', port: metricsPort?.name }]);
+    // Each peer names the pods it lets in (no empty selector, which would let in everything).
+    for (const peer of rule.from) expect(Object.keys(peer.podSelector?.matchLabels ?? {})).not.toEqual([]);
+    const cronJob = byKind('CronJob')[0] as Manifest;
+    const [migrate, ...otherMigrate] = policyFor(cronJob.spec.jobTemplate.spec.template.metadata.labels);
+    expect(otherMigrate).toEqual([]);
+    expect(migrate?.spec.policyTypes).toEqual(['Ingress']);
+    expect(migrate?.spec.ingress).toEqual([]);
   });
 
   it('the CronJob runs `migrate` and never two at once', () => {

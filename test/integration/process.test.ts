@@ -1,0 +1,80 @@
+import { type ChildProcess, spawn } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import { describe, expect, it } from 'vitest';
+import {
+  CLI,
+  countDelivery,
+  depthOf,
+  idText,
+  publishAll,
+  queuePair,
+  runArgs,
+  takeAll,
+  waitFor,
+} from '../helpers.js';
+
+/** The command line a process runs now, as the kernel shows it. */
+function commandLine(pid: number): string[] {
+  return readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').filter(Boolean);
+}
+
+/** `dedup-bridge run` started with the given Node options; resolves once it forwards. */
+async function startRun(nodeOptions: string[], args: string[]) {
+  const child: ChildProcess = spawn(process.execPath, [...nodeOptions, CLI, ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let output = '';
+  child.stdout?.on('data', (chunk: Buffer) => {
+    output += chunk.toString();
+  });
+  child.stderr?.on('data', (chunk: Buffer) => {
+    output += chunk.toString();
+  });
+  const done = new Promise<number | null>((resolve) => child.on('close', (code) => resolve(code)));
+  const started = await waitFor(() => output.includes('"msg":"forwarding"'), 30_000);
+  expect(started, output).toBe(true);
+  return { pid: child.pid as number, output: () => output, stop: () => child.kill('SIGTERM'), done };
+}
+
+describe('the CLI process', () => {
+  it('runs with a 16 MiB young generation, as the same process (its pid, its signals), and forwards', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const bridge = await startRun([], runArgs(source, ['--target-queue', target]));
+    let line: string[] = [];
+    try {
+      line = commandLine(bridge.pid);
+      // The log's pid is the one started: it replaced itself, it did not start a child.
+      expect(bridge.output()).toContain(`"pid":${bridge.pid},`);
+      const ids = Array.from({ length: 20 }, (_, i) => `semi-${i}`);
+      await publishAll(
+        sourceUrl,
+        source,
+        ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
+      );
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= ids.length, 30_000)).toBe(true);
+    } finally {
+      bridge.stop();
+    }
+    expect(await bridge.done).toBe(0);
+    expect(line).toContain('--max-semi-space-size=16');
+    expect(line).toContain(CLI);
+    const received = (await takeAll(targetUrl, target)).map((m) => idText(m.properties.headers?._HQ_DUPL_ID));
+    const count = countDelivery(
+      'semi-space run',
+      Array.from({ length: 20 }, (_, i) => `semi-${i}`),
+      received,
+    );
+    expect([count.lost, count.duplicated, count.unexpected]).toEqual([0, 0, 0]);
+  });
+
+  it('keeps a semi-space size the user chose', async () => {
+    const { source, target } = await queuePair();
+    const bridge = await startRun(['--max-semi-space-size=4'], runArgs(source, ['--target-queue', target]));
+    const line = commandLine(bridge.pid);
+    bridge.stop();
+    expect(await bridge.done).toBe(0);
+    expect(line.filter((arg) => arg.startsWith('--max-semi-space-size'))).toEqual([
+      '--max-semi-space-size=4',
+    ]);
+  });
+});
