@@ -13,7 +13,7 @@ import {
   resolveMigrateSettings,
 } from '../config/migrate-settings.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
-import { FILE_VARIABLES, readSecretFile } from '../config/secret-source.js';
+import { FILE_VARIABLES, readSecretFile, withoutValue } from '../config/secret-source.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, FatalConnectError, StopRequested } from '../errors.js';
@@ -124,10 +124,13 @@ function namingVariable(command: Command, error: unknown): unknown {
     if (command.getOptionValueSource(option.attributeName()) !== 'env') continue;
     const prefix = new RegExp(`^${option.long}( \\(or ${option.envVar}\\))?: `);
     if (prefix.test(error.message)) {
-      const variable = fromFile.has(option.attributeName()) ? `${option.envVar}_FILE` : option.envVar;
-      return new ConfigError(error.message.replace(prefix, `${variable} (${option.long}): `), {
-        cause: error,
-      });
+      const name = option.attributeName();
+      const variable = fromFile.has(name) ? `${option.envVar}_FILE` : option.envVar;
+      let message = error.message.replace(prefix, `${variable} (${option.long}): `);
+      // A file that holds a bare password instead of a URL: its text is not repeated.
+      if (fromFile.has(name))
+        message = withoutValue(message, String(command.getOptionValue(name)), 'its text');
+      return new ConfigError(message, { cause: error });
     }
   }
   return error;

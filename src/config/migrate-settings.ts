@@ -6,10 +6,12 @@ import { ConfigError } from '../errors.js';
 import { parseDuration } from './duration.js';
 import { urlOrReference } from './secret-source.js';
 import {
+  amqpUrlsText,
   type BridgeSettings,
   DEFAULTS,
   decodable,
   type RawOptions,
+  redisUrl,
   resolveBridgeSettings,
 } from './settings.js';
 import { readCaFile } from './tls.js';
@@ -67,9 +69,9 @@ const queueName = z.string().min(1, 'must not be empty');
 const jobFileSchema = z
   .object({
     // A URL, or { file: <path> } / { env: <VARIABLE> } that holds it (checked like the flags).
-    source: urlOrReference(z.string()).optional(),
-    target: urlOrReference(z.string()).optional(),
-    redis: urlOrReference(z.string()).optional(),
+    source: urlOrReference(amqpUrlsText, 'later').optional(),
+    target: urlOrReference(amqpUrlsText, 'later').optional(),
+    redis: urlOrReference(redisUrl, 'later').optional(),
     queues: z
       .array(
         z.union([queueName, z.object({ source: queueName, target: queueName.optional() }).strict()], {

@@ -188,6 +188,13 @@ const amqpUrlList = z
       .filter((item) => item.length > 0),
   )
   .pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
+/** The same check on the text as given (a job file's source or target), for urlOrReference. */
+export const amqpUrlsText = z.string().superRefine((value, ctx) => {
+  const parsed = amqpUrlList.safeParse(value);
+  if (!parsed.success) {
+    for (const issue of parsed.error.issues) ctx.addIssue({ code: 'custom', message: issue.message });
+  }
+});
 // One server, a Sentinel set or a Cluster: src/config/redis-url.ts reads all three forms.
 export const redisUrl = z.string().superRefine((value, ctx) => {
   try {

@@ -292,7 +292,46 @@ describe('passwords are never printed, however they are given', () => {
     expect(noVariable.stderr).toBe(
       `dedup-bridge: ${unset}: brokers.a.url.env: the variable NO_SUCH_VAR_SET is not set (or empty); set it to the URL\n`,
     );
-    expectNoSecret([missing, directory, both, refused].map((r) => r.stdout + r.stderr).join('\n'), all);
+    // A file (or variable) holding the bare password instead of the URL: refused without quoting it.
+    const bare = await runCli(base, {
+      env: { DEDUP_BRIDGE_SOURCE: source, DEDUP_BRIDGE_TARGET_FILE: secretFile('bare', amqpSecret.text) },
+    });
+    expect(bare.code).toBe(2);
+    expect(bare.stderr).toMatch(/^dedup-bridge: DEDUP_BRIDGE_TARGET_FILE \(--target\): "its text" /);
+    const bareConfig = join(files, 'bare.yaml');
+    writeFileSync(
+      bareConfig,
+      [
+        'brokers:',
+        `  a: { url: { file: ${secretFile('bare-config', amqpSecret.text)} } }`,
+        '  b: { url: { env: BARE_PASSWORD } }',
+        'routes:',
+        '  - { name: r1, source: { broker: a, queue: q }, target: { broker: b, queue: t } }',
+        '',
+      ].join('\n'),
+    );
+    const bareFile = await runCli(['config', 'check', bareConfig]);
+    expect(bareFile.code).toBe(2);
+    expect(bareFile.stderr).toMatch(/brokers\.a\.url: "the URL in .*bare-config" /);
+    writeFileSync(bareConfig, readFileSync(bareConfig, 'utf8').replace(/\{ file: [^}]+\}/, `"${source}"`));
+    const bareVariable = await runCli(['config', 'check', bareConfig], {
+      env: { BARE_PASSWORD: redisSecret.text },
+    });
+    expect(bareVariable.code).toBe(2);
+    expect(bareVariable.stderr).toMatch(/brokers\.b\.url: "the URL in \$BARE_PASSWORD" /);
+    const job = join(files, 'bare-job.yaml');
+    writeFileSync(job, 'source: { env: BARE_PASSWORD }\nqueues: [q]\n');
+    const bareJob = await runCli(['migrate', '--job-file', job, '--target', target], {
+      env: { BARE_PASSWORD: redisSecret.text },
+    });
+    expect(bareJob.code).toBe(2);
+    expect(bareJob.stderr).toMatch(/^dedup-bridge: --job-file .*: source: "the URL in \$BARE_PASSWORD" /);
+    expectNoSecret(
+      [missing, directory, both, refused, bare, bareFile, bareVariable, bareJob]
+        .map((r) => r.stdout + r.stderr)
+        .join('\n'),
+      all,
+    );
   });
 
   it('refusals and unreachable servers: one line each, no part of any password', async () => {
