@@ -235,9 +235,12 @@ export interface RunningCli {
   output(): string;
 }
 
-/** Starts the CLI in the background (e.g. `run`), for tests that signal or kill it. */
-export function startCli(args: string[]): RunningCli {
-  const child = spawn(process.execPath, [CLI, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+/** Starts the CLI in the background (e.g. `run`), for tests that signal or kill it; `env` adds variables. */
+export function startCli(args: string[], env: Record<string, string> = {}): RunningCli {
+  const child = spawn(process.execPath, [CLI, ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, ...env },
+  });
   let stdout = '';
   let stderr = '';
   child.stdout.on('data', (chunk: Buffer) => {

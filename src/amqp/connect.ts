@@ -1,5 +1,5 @@
 import amqp, { type ChannelModel } from 'amqplib';
-import { passwordOf, redactSecrets, redactUrl } from '../config/redact.js';
+import { redactSecrets, redactUrl, secretsOf } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
 import { StopRequested } from '../errors.js';
 import type { Logger } from '../observe/log.js';
@@ -79,7 +79,7 @@ export async function connectAmqpAny(
           side: options.side,
           attempt,
           delayMs: delay,
-          error: redactSecrets(describe(error), [passwordOf(url)]),
+          error: redactSecrets(describe(error), secretsOf(url)),
         },
         urls.length > 1 ? `${where} not reachable; trying the next URL` : `${where} not reachable; retrying`,
       );

@@ -59,6 +59,8 @@ export async function sourceTtlWarnings(
   routes: readonly BridgeSettings[],
   managementUrl: string | undefined,
   log: Logger,
+  /** The CA for an https `managementUrl` (a route's own API comes with its own). */
+  managementCa?: string,
 ): Promise<string[]> {
   const unchecked = routes.filter((route) => !(route.sourceManagementUrl ?? managementUrl));
   const deadLetterUnchecked = unchecked.filter((route) => route.onUnroutable === 'dead-letter');
@@ -80,9 +82,10 @@ export async function sourceTtlWarnings(
   const unreachable = new Set<string>();
   for (const route of routes) {
     const management = route.sourceManagementUrl ?? managementUrl;
+    const ca = route.sourceManagementUrl ? route.sourceManagementCa : managementCa;
     if (!management || unreachable.has(management)) continue;
     try {
-      const shape = await readQueueShape(management, route.sourceUrl, route.sourceQueue);
+      const shape = await readQueueShape(management, route.sourceUrl, route.sourceQueue, ca);
       const ttl = messageTtlOf(shape);
       log.debug({ queue: route.sourceQueue, messageTtlMs: ttl?.ms ?? null }, 'source queue TTL read');
       const warning = windowWarning(route.sourceQueue, ttl, route.dedupWindowMs);

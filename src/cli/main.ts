@@ -7,11 +7,13 @@ import { startRoutes, superviseRoutes } from '../bridge/routes.js';
 import { sourceTtlWarnings } from '../bridge/source-ttl.js';
 import { loadConfigRoutes } from '../config/file.js';
 import {
+  checkManagementCa,
   checkManagementUrl,
   type MigrateRawOptions,
   resolveMigrateSettings,
 } from '../config/migrate-settings.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
+import { FILE_VARIABLES, readSecretFile, withoutValue } from '../config/secret-source.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, FatalConnectError, StopRequested } from '../errors.js';
@@ -30,6 +32,7 @@ export async function main(argv: string[]): Promise<number> {
   let active: Command | undefined;
   program.hook('preAction', (_program, actionCommand) => {
     active = actionCommand;
+    readFileVariables(actionCommand);
   });
   try {
     await program.parseAsync(argv);
@@ -81,6 +84,35 @@ function strayArgument(program: Command, argv: string[]): ConfigError {
   );
 }
 
+/** Options whose value came from a `<VARIABLE>_FILE`, so that errors name that variable. */
+const fromFile = new Set<string>();
+
+/**
+ * `DEDUP_BRIDGE_SOURCE_FILE=/run/secrets/source` is DEDUP_BRIDGE_SOURCE with the file's text (one
+ * trailing newline dropped): the way to pass a URL with its password without putting it in a
+ * flag, which `ps` shows, or in the environment. A flag still wins; the variable and its _FILE
+ * together are an error, since one of them would be ignored.
+ */
+function readFileVariables(command: Command): void {
+  for (const option of command.options) {
+    const variable = option.envVar;
+    if (!variable || !(FILE_VARIABLES as readonly string[]).includes(variable)) continue;
+    const fileVariable = `${variable}_FILE`;
+    const path = process.env[fileVariable];
+    if (path === undefined) continue;
+    const name = option.attributeName();
+    const source = command.getOptionValueSource(name);
+    if (source === 'cli') continue;
+    if (source === 'env') {
+      throw new ConfigError(
+        `${fileVariable}: ${variable} is set too; set one of them (the URL, or the file that holds it)`,
+      );
+    }
+    command.setOptionValueWithSource(name, readSecretFile(path, `${fileVariable} (${option.long})`), 'env');
+    fromFile.add(name);
+  }
+}
+
 /**
  * A refused value that came from an environment variable: the line names the variable first
  * ("DEDUP_BRIDGE_LOG_LEVEL (--log-level): …"), since no flag was typed.
@@ -92,9 +124,13 @@ function namingVariable(command: Command, error: unknown): unknown {
     if (command.getOptionValueSource(option.attributeName()) !== 'env') continue;
     const prefix = new RegExp(`^${option.long}( \\(or ${option.envVar}\\))?: `);
     if (prefix.test(error.message)) {
-      return new ConfigError(error.message.replace(prefix, `${option.envVar} (${option.long}): `), {
-        cause: error,
-      });
+      const name = option.attributeName();
+      const variable = fromFile.has(name) ? `${option.envVar}_FILE` : option.envVar;
+      let message = error.message.replace(prefix, `${variable} (${option.long}): `);
+      // A file that holds a bare password instead of a URL: its text is not repeated.
+      if (fromFile.has(name))
+        message = withoutValue(message, String(command.getOptionValue(name)), 'its text');
+      return new ConfigError(message, { cause: error });
     }
   }
   return error;
@@ -149,6 +185,7 @@ type RunRawOptions = RawOptions & {
   strict?: boolean;
   config?: string;
   sourceManagement?: string;
+  sourceManagementCa?: string;
 };
 
 async function runCommand(raw: RunRawOptions): Promise<number> {
@@ -156,6 +193,7 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   const routes = raw.config ? loadConfigRoutes(raw.config, raw, 'run') : [resolveBridgeSettings(raw, 'run')];
   const first = routes[0] as BridgeSettings;
   const management = raw.sourceManagement ? checkManagementUrl(raw.sourceManagement) : undefined;
+  const managementCa = checkManagementCa(management, raw.sourceManagementCa);
   // The flag stands in for routes whose broker names no management API of its own.
   const byFlag = routes.filter((route) => route.sourceManagementUrl === undefined);
   if (management && new Set(byFlag.map((route) => new URL(route.sourceUrl).host)).size > 1) {
@@ -168,7 +206,7 @@ async function runCommand(raw: RunRawOptions): Promise<number> {
   // Listening first: a taken port fails at once, and /healthz answers while the servers are sought.
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   try {
-    warnOrRefuse(await sourceTtlWarnings(routes, management, log), raw.strict === true, log);
+    warnOrRefuse(await sourceTtlWarnings(routes, management, log, managementCa), raw.strict === true, log);
     return await forwardUntilStopped(raw, routes, log, observer);
   } finally {
     await observer?.close();
@@ -257,7 +295,12 @@ async function migrate(raw: MigrateRawOptions & { strict?: boolean }, context: J
   const observer = metricsEndpoint ? await startObserveServer(metricsEndpoint, log) : undefined;
   try {
     context.name = settings.jobName;
-    const ttlWarnings = await sourceTtlWarnings(settings.routes, settings.sourceManagementUrl, log);
+    const ttlWarnings = await sourceTtlWarnings(
+      settings.routes,
+      settings.sourceManagementUrl,
+      log,
+      settings.sourceManagementCa,
+    );
     warnOrRefuse(ttlWarnings, raw.strict === true, log);
     const signal = onStopSignal();
     await checkRedis(first, raw.strict === true, log, signal.stop);

@@ -75,6 +75,10 @@ export function addMigrateOptions(command: Command): Command {
       '--declare-target',
       'create missing target queues like their source queues (needs --source-management)',
     )
+    .option(
+      '--declare-target-force',
+      'with --declare-target, copy also arguments that make the target drop messages (x-max-length, x-max-length-bytes, x-message-ttl, x-expires, x-max-age)',
+    )
     .option('--dry-run', 'count what would be forwarded or skipped; move, ack and claim nothing')
     .option(
       '--progress-interval <duration>',
@@ -161,6 +165,12 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
         '--source-management <url>',
         'source management API, http://user:password@host:15672 (queue TTL check; migrate --declare-target)',
       ).env('DEDUP_BRIDGE_SOURCE_MANAGEMENT'),
+    )
+    .addOption(
+      new Option(
+        '--source-management-ca <file>',
+        'https management API: CA certificate(s) to trust, PEM (default: the system CAs)',
+      ).env('DEDUP_BRIDGE_SOURCE_MANAGEMENT_CA'),
     )
     .option(
       '--strict',

@@ -5,8 +5,9 @@ import { describeStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS } from '../observe/log.js';
 import { FOREVER, formatDuration, formatRetryFor, parseDuration, parseRetryFor } from './duration.js';
-import { checkManagementUrl } from './migrate-settings.js';
+import { checkManagementCa, checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
+import { urlOrReference } from './secret-source.js';
 import {
   amqpUrl,
   type BridgeSettings,
@@ -37,20 +38,25 @@ const tlsFiles = z
   })
   .strict();
 
-// URLs travel to resolveBridgeSettings comma-joined, like the --source flag.
-const brokerUrl = amqpUrl.refine(
-  (value) => !value.includes(','),
-  'must not contain a comma; write it as %2C',
+// URLs travel to resolveBridgeSettings comma-joined, like the --source flag. Each URL may be given
+// as { file: <path> } or { env: <VARIABLE> } instead (see secret-source.ts).
+const brokerUrl = urlOrReference(
+  amqpUrl.refine((value) => !value.includes(','), 'must not contain a comma; write it as %2C'),
 );
 
 // The broker's management API (for the source queue TTL check), checked like --source-management.
-const managementUrl = z.string().superRefine((value, ctx) => {
-  try {
-    checkManagementUrl(value);
-  } catch (error) {
-    ctx.addIssue({ code: 'custom', message: (error as Error).message.replace(/^--source-management: /, '') });
-  }
-});
+const managementUrl = urlOrReference(
+  z.string().superRefine((value, ctx) => {
+    try {
+      checkManagementUrl(value);
+    } catch (error) {
+      ctx.addIssue({
+        code: 'custom',
+        message: (error as Error).message.replace(/^--source-management: /, ''),
+      });
+    }
+  }),
+);
 
 const broker = z
   .object({
@@ -58,6 +64,8 @@ const broker = z
     urls: z.array(brokerUrl).min(1, 'list at least one URL').optional(),
     tls: tlsFiles.optional(),
     management: managementUrl.optional(),
+    /** The CA to trust for an https management API (default: the system's CAs). */
+    managementCa: z.string().min(1, 'must not be empty').optional(),
   })
   .strict()
   .superRefine((value, ctx) => {
@@ -173,7 +181,7 @@ const fileSchema = z
     brokers: z.record(z.string(), broker),
     redis: z
       .object({
-        url: redisUrl.optional(),
+        url: urlOrReference(redisUrl).optional(),
         prefix: z
           .string()
           .regex(REDIS_PREFIX_PATTERN, 'must be non-empty, without braces, colons or spaces')
@@ -467,10 +475,17 @@ export function resolveConfigRoutes(
   }
   return file.routes.map((item, index) => {
     const raw = overlay(routeOptions(file, item), given);
-    const management = (file.brokers[item.source.broker] as Broker).management;
+    const broker = file.brokers[item.source.broker] as Broker;
+    const management = broker.management;
     try {
       const settings: BridgeSettings = { ...resolveBridgeSettings(raw, mode), route: item.name };
       if (management !== undefined) settings.sourceManagementUrl = management;
+      const keys = `brokers.${item.source.broker}`;
+      const ca = checkManagementCa(management, broker.managementCa, {
+        ca: `${keys}.managementCa`,
+        url: `${keys}.management`,
+      });
+      if (ca !== undefined) settings.sourceManagementCa = ca;
       return settings;
     } catch (error) {
       if (error instanceof ConfigError) {
@@ -508,6 +523,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         source: withoutUndefined({
           urls: settings.sourceUrls.map(redactUrl),
           management: settings.sourceManagementUrl && redactUrl(settings.sourceManagementUrl),
+          managementCa: settings.sourceManagementCa,
           queue: settings.sourceQueue,
           tls: tlsOf(item, 'source'),
         }),

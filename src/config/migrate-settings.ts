@@ -4,13 +4,17 @@ import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { parseDuration } from './duration.js';
+import { urlOrReference } from './secret-source.js';
 import {
+  amqpUrlsText,
   type BridgeSettings,
   DEFAULTS,
   decodable,
   type RawOptions,
+  redisUrl,
   resolveBridgeSettings,
 } from './settings.js';
+import { readCaFile } from './tls.js';
 
 /** What `migrate` collects: the bridge options, with repeatable queues and the job's own options. */
 export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
@@ -22,7 +26,9 @@ export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {
   parallel?: string;
   deleteSourceWhenEmpty?: boolean;
   declareTarget?: boolean;
+  declareTargetForce?: boolean;
   sourceManagement?: string;
+  sourceManagementCa?: string;
   maxDuration?: string;
   maxRate?: string;
   dryRun?: boolean;
@@ -44,7 +50,10 @@ export interface MigrateSettings {
   dryRun: boolean;
   deleteSourceWhenEmpty: boolean;
   declareTarget: boolean;
+  /** Copy also the arguments that make the target queue discard messages (x-max-length, …). */
+  declareTargetForce: boolean;
   sourceManagementUrl: string | undefined;
+  sourceManagementCa: string | undefined;
   reportPath: string | undefined;
   progressIntervalMs: number;
   quiet: boolean;
@@ -59,9 +68,10 @@ export const MIGRATE_DEFAULTS = {
 const queueName = z.string().min(1, 'must not be empty');
 const jobFileSchema = z
   .object({
-    source: z.string().optional(),
-    target: z.string().optional(),
-    redis: z.string().optional(),
+    // A URL, or { file: <path> } / { env: <VARIABLE> } that holds it (checked like the flags).
+    source: urlOrReference(amqpUrlsText, 'later').optional(),
+    target: urlOrReference(amqpUrlsText, 'later').optional(),
+    redis: urlOrReference(redisUrl, 'later').optional(),
     queues: z
       .array(
         z.union([queueName, z.object({ source: queueName, target: queueName.optional() }).strict()], {
@@ -183,6 +193,9 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   if (raw.declareTarget && raw.targetExchange !== undefined) {
     throw new ConfigError('--declare-target: declares target queues; it does not go with --target-exchange');
   }
+  if (raw.declareTargetForce && !raw.declareTarget) {
+    throw new ConfigError('--declare-target-force: goes with --declare-target; give both, or neither');
+  }
   if (raw.declareTarget && !raw.sourceManagement) {
     throw new ConfigError(
       '--declare-target: needs --source-management <url> (the source broker management API, e.g. http://user:password@host:15672)',
@@ -206,7 +219,9 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     dryRun: raw.dryRun === true,
     deleteSourceWhenEmpty: raw.deleteSourceWhenEmpty === true,
     declareTarget: raw.declareTarget === true,
+    declareTargetForce: raw.declareTargetForce === true,
     sourceManagementUrl: raw.sourceManagement,
+    sourceManagementCa: checkManagementCa(raw.sourceManagement, raw.sourceManagementCa),
     reportPath: raw.report,
     progressIntervalMs: parseDuration(
       raw.progressInterval ?? MIGRATE_DEFAULTS.progressInterval,
@@ -235,6 +250,27 @@ export function checkManagementUrl(value: string): string {
     );
   }
   return value;
+}
+
+/**
+ * Validates --source-management-ca (or a config file's managementCa, named by `names`): it goes
+ * with an https:// management URL, and is a readable PEM certificate.
+ */
+export function checkManagementCa(
+  url: string | undefined,
+  ca: string | undefined,
+  names = { ca: '--source-management-ca', url: '--source-management' },
+): string | undefined {
+  if (ca === undefined) return undefined;
+  if (url === undefined) throw new ConfigError(`${names.ca}: goes with ${names.url} (an https:// URL)`);
+  const protocol = new URL(url).protocol;
+  if (protocol !== 'https:') {
+    throw new ConfigError(
+      `${names.ca}: needs ${names.url} to be https://, not ${protocol}//; a CA is for a management API served over TLS`,
+    );
+  }
+  readCaFile(names.ca, ca);
+  return ca;
 }
 
 /** A job is its brokers and routes: the same migration started again gets the same name (and lock). */

@@ -1,15 +1,28 @@
-/** Masks the password in a URL so it can be printed or logged. Never throws. */
+/**
+ * Masks the secrets in a URL so it can be printed or logged: the password of its user info, and
+ * query parameters that carry one (ioredis takes `?password=`, and this bridge's Sentinel URLs
+ * `?sentinelPassword=`). Never throws.
+ */
 export function redactUrl(url: string): string {
   const parts = parse(url);
-  if (parts?.password) {
-    parts.password = '***';
-    return parts.toString();
+  let out = url;
+  if (parts && (parts.username || parts.password)) {
+    if (parts.password) {
+      parts.password = '***';
+      out = parts.toString();
+    }
+  } else {
+    // No user info parsed, yet there may be a password: typed without its scheme ("user:" reads as
+    // one), unencoded so that it reads as a port and a path, query or fragment
+    // (amqp://bob:123/x@host, amqp://bob:123?x@host), or in a form that is not a WHATWG URL.
+    const found = passwordSpan(url, parts !== undefined);
+    if (found) out = `${url.slice(0, found.start)}***${url.slice(found.end)}`;
   }
-  // No password parsed, yet there may be one: typed without its scheme ("user:" reads as one),
-  // unencoded so that it reads as a port and a path (amqp://bob:123/x@host), or not a URL at all.
-  const found = passwordSpan(url, parts !== undefined);
-  return found ? `${url.slice(0, found.start)}***${url.slice(found.end)}` : url;
+  return out.replace(SECRET_PARAM, (_match, lead: string) => `${lead}***`);
 }
+
+/** A query parameter whose name says it holds a secret, up to its end; the name is kept. */
+const SECRET_PARAM = /([?&;][^=&#?;]*(?:pass|secret|token)[^=&#?;]*=)[^&#;]*/gi;
 
 function parse(url: string): URL | undefined {
   try {
@@ -19,18 +32,20 @@ function parse(url: string): URL | undefined {
   }
 }
 
-function decoded(text: string): string {
+function decoded(text: string, plusIsSpace = false): string {
   try {
-    return decodeURIComponent(text);
+    // In a query a + is a space (as ioredis reads it); in user info it is a +.
+    return decodeURIComponent(plusIsSpace ? text.replace(/\+/g, ' ') : text);
   } catch {
     return text;
   }
 }
 
 /**
- * The text rule: from the first ':' of the user info to the last '@', where URL parsers split. For
- * a URL that parsed without a password, only where that span could be user info at all (no IPv6
- * host, query or fragment in it), so that `amqp://[::1]:5672/x@y` is left as it is.
+ * The text rule: from the first ':' of the user info to the last '@', where URL parsers split.
+ * Whatever lies between is taken for a password, also when a parser read part of it as a path or
+ * a query: a password must never be printed, and an '@' in a path or query is rare enough that
+ * masking it too costs nothing. Only an IPv6 host (`amqp://[::1]:5672/x@y`) is left as it is.
  */
 function passwordSpan(url: string, parsed: boolean): { start: number; end: number } | undefined {
   const schemeEnd = url.indexOf('://');
@@ -38,14 +53,15 @@ function passwordSpan(url: string, parsed: boolean): { start: number; end: numbe
   const at = url.lastIndexOf('@');
   const colon = url.indexOf(':', from);
   if (at < from || colon < 0 || colon > at) return undefined;
-  if (parsed && /[[?#]/.test(url.slice(from, at))) return undefined;
+  if (parsed && url.slice(from, at).includes('[')) return undefined;
   return { start: colon + 1, end: at };
 }
 
 /** Removes every occurrence of the given secrets from a text (for errors that echo a URL). */
 export function redactSecrets(text: string, secrets: readonly string[]): string {
   let out = text;
-  for (const secret of secrets) {
+  // Longest first, so that a secret containing another is removed whole.
+  for (const secret of [...secrets].sort((a, b) => b.length - a.length)) {
     if (secret.length > 0) out = out.split(secret).join('***');
   }
   return out;
@@ -55,6 +71,33 @@ export function redactSecrets(text: string, secrets: readonly string[]): string 
 export function passwordOf(url: string): string {
   const parts = parse(url);
   if (parts?.password) return decoded(parts.password);
+  if (parts?.username) return '';
   const found = passwordSpan(url, parts !== undefined);
   return found ? decoded(url.slice(found.start, found.end)) : '';
+}
+
+/**
+ * Every secret a URL holds, as typed and decoded: its password and the values of its secret query
+ * parameters. For scrubbing texts of other libraries, which may echo any of them.
+ */
+export function secretsOf(url: string): string[] {
+  const found = new Set<string>();
+  const password = passwordOf(url);
+  if (password) found.add(password);
+  const parts = parse(url);
+  if (parts?.password) found.add(parts.password);
+  for (const match of url.matchAll(SECRET_PARAM)) {
+    const raw = match[0].slice(match[1]?.length ?? 0);
+    if (raw) {
+      found.add(raw);
+      found.add(decoded(raw, true));
+    }
+  }
+  return [...found];
+}
+
+/** Whether a URL that parsed with no user info still holds a password (an unencoded / ? # or @). */
+export function hasHiddenPassword(url: string): boolean {
+  const parts = parse(url);
+  return parts !== undefined && !parts.username && !parts.password && passwordOf(url) !== '';
 }

@@ -1,4 +1,4 @@
-import { redactUrl } from './redact.js';
+import { hasHiddenPassword, redactUrl } from './redact.js';
 
 /** One host:port of a Sentinel set or a Cluster's seed list. */
 export interface RedisNodeAddress {
@@ -16,16 +16,23 @@ export type RedisTopology =
       db: number;
       username: string | undefined;
       password: string | undefined;
+      /** The sentinels' own credentials (`?sentinelUsername=…&sentinelPassword=…`). */
+      sentinelUsername: string | undefined;
+      sentinelPassword: string | undefined;
+      /** rediss-sentinel://: sentinels, master and replicas all over TLS. */
+      tls: boolean;
     }
   | {
       kind: 'cluster';
       nodes: RedisNodeAddress[];
       username: string | undefined;
       password: string | undefined;
+      /** rediss-cluster://: every node over TLS. */
+      tls: boolean;
     };
 
 export const REDIS_URL_EXAMPLES =
-  'redis://host:6379, redis-sentinel://host:26379,host:26379/mymaster or redis-cluster://host:6379,host:6379';
+  'redis://host:6379, redis-sentinel://host:26379,host:26379/mymaster or redis-cluster://host:6379,host:6379 (rediss… for TLS)';
 
 const STANDALONE = ['redis:', 'rediss:'];
 const DEFAULT_PORT = { sentinel: 26379, cluster: 6379 } as const;
@@ -42,16 +49,13 @@ export function parseRedisUrl(url: string): RedisTopology {
   const shown = `"${redactUrl(url)}"`;
   const schemeEnd = url.indexOf('://');
   const scheme = schemeEnd > 0 ? url.slice(0, schemeEnd).toLowerCase() : '';
-  if (scheme === 'redis-sentinel' || scheme === 'redis-cluster') {
+  const multi = /^(rediss?)-(sentinel|cluster)$/.exec(scheme);
+  if (multi) {
     return parseMultiHost(
-      scheme === 'redis-sentinel' ? 'sentinel' : 'cluster',
+      multi[2] as 'sentinel' | 'cluster',
+      multi[1] === 'rediss',
       url.slice(schemeEnd + 3),
       shown,
-    );
-  }
-  if (scheme === 'rediss-sentinel' || scheme === 'rediss-cluster') {
-    throw new RedisUrlError(
-      `${shown}: TLS to a Sentinel set or a Cluster is not supported; use ${scheme.replace('rediss', 'redis')}:// on a trusted network, or a single server over rediss://`,
     );
   }
   // "localhost:6379" parses as a URL of scheme "localhost": say what is missing instead.
@@ -70,6 +74,11 @@ export function parseRedisUrl(url: string): RedisTopology {
     );
   }
   if (parsed.hostname === '') throw new RedisUrlError(`${shown} has no host; use ${REDIS_URL_EXAMPLES}`);
+  if (hasHiddenPassword(url)) {
+    throw new RedisUrlError(
+      `${shown} has an @ after its host, so its password is read as a host, path or query; percent-encode / ? # @ in a password (%2F %3F %23 %40)`,
+    );
+  }
   // The path is the database number; ioredis would send SELECT NaN for anything else.
   const db = parsed.pathname.replace(/^\//, '');
   if (db !== '' && !/^\d+$/.test(db)) {
@@ -88,19 +97,34 @@ export function parseRedisUrl(url: string): RedisTopology {
   return { kind: 'standalone', url };
 }
 
-function parseMultiHost(kind: 'sentinel' | 'cluster', rest: string, shown: string): RedisTopology {
+/** Query parameters of a Sentinel URL: the sentinels' own credentials, named as ioredis names them. */
+const SENTINEL_PARAMS = ['sentinelUsername', 'sentinelPassword'] as const;
+
+function parseMultiHost(
+  kind: 'sentinel' | 'cluster',
+  tls: boolean,
+  rest: string,
+  shown: string,
+): RedisTopology {
+  const scheme = `${tls ? 'rediss' : 'redis'}-${kind}`;
   const example =
     kind === 'sentinel'
-      ? 'redis-sentinel://[user:password@]host:26379,host:26379/<master-name>[/<db>]'
-      : 'redis-cluster://[user:password@]host:6379,host:6379';
+      ? `${scheme}://[user:password@]host:26379,host:26379/<master-name>[/<db>][?sentinelPassword=…]`
+      : `${scheme}://[user:password@]host:6379,host:6379`;
+  // Never the parts themselves: they may hold a password (`shown` is the masked URL).
   const fail = (what: string) => new RedisUrlError(`${shown} ${what}; use ${example}`);
-  if (/[?#]/.test(rest)) throw fail('has a query or fragment, which this form does not take');
-  const slash = rest.indexOf('/');
-  const authority = slash < 0 ? rest : rest.slice(0, slash);
-  const path = slash < 0 ? '' : rest.slice(slash + 1);
-  const at = authority.lastIndexOf('@');
-  const userInfo = at < 0 ? undefined : authority.slice(0, at);
-  const hostList = at < 0 ? authority : authority.slice(at + 1);
+  // The user info ends at the last @, so that a password may hold / ? # (or @) unencoded; an @ in
+  // the query must then be written %40.
+  const at = rest.lastIndexOf('@');
+  const userInfo = at < 0 ? undefined : rest.slice(0, at);
+  const afterUser = at < 0 ? rest : rest.slice(at + 1);
+  if (afterUser.includes('#')) throw fail('has a fragment (#), which this form does not take');
+  const question = afterUser.indexOf('?');
+  const query = question < 0 ? undefined : afterUser.slice(question + 1);
+  const beforeQuery = question < 0 ? afterUser : afterUser.slice(0, question);
+  const slash = beforeQuery.indexOf('/');
+  const hostList = slash < 0 ? beforeQuery : beforeQuery.slice(0, slash);
+  const path = slash < 0 ? '' : beforeQuery.slice(slash + 1);
 
   let username: string | undefined;
   let password: string | undefined;
@@ -113,24 +137,35 @@ function parseMultiHost(kind: 'sentinel' | 'cluster', rest: string, shown: strin
       password =
         rawPassword === undefined || rawPassword === '' ? undefined : decodeURIComponent(rawPassword);
     } catch {
-      throw fail('has a badly percent-encoded user or password');
+      throw fail('has a badly percent-encoded user or password (write a literal % as %25)');
     }
   }
 
   const nodes: RedisNodeAddress[] = [];
-  for (const item of hostList.split(',')) {
+  for (const [index, item] of hostList.split(',').entries()) {
     // host, host:port, [v6], [v6]:port
     const match = /^(\[[0-9a-fA-F:.]+\]|[^:[\]]+)(?::(\d{1,5}))?$/.exec(item.trim());
     if (!match)
-      throw fail(item.trim() === '' ? 'has an empty host in its host list' : `has a bad host "${item}"`);
+      throw fail(
+        item.trim() === ''
+          ? 'has an empty host in its host list'
+          : `has a bad host (number ${index + 1} of its host list)`,
+      );
     const port = match[2] === undefined ? DEFAULT_PORT[kind] : Number(match[2]);
     if (port < 1 || port > 65535) throw fail(`has port ${port}, outside 1-65535`);
     nodes.push({ host: (match[1] as string).replace(/^\[|\]$/g, ''), port });
   }
 
   if (kind === 'cluster') {
+    if (query !== undefined) throw fail('has a query (?…), which this form does not take');
     if (path !== '') throw fail('has a path; a Cluster has only database 0, so give just the hosts');
-    return { kind, nodes, username, password };
+    return { kind, nodes, username, password, tls };
+  }
+  const params = new URLSearchParams(query ?? '');
+  for (const name of params.keys()) {
+    if (!(SENTINEL_PARAMS as readonly string[]).includes(name)) {
+      throw fail(`has the query parameter "${name}"; it takes only ${SENTINEL_PARAMS.join(' and ')}`);
+    }
   }
   const [rawName = '', rawDb, ...extra] = path.split('/');
   if (rawName === '') throw fail('does not name the master (the path is the name Sentinel monitors it by)');
@@ -142,7 +177,17 @@ function parseMultiHost(kind: 'sentinel' | 'cluster', rest: string, shown: strin
   } catch {
     throw fail('has a badly percent-encoded master name');
   }
-  return { kind, sentinels: nodes, masterName, db: Number(rawDb ?? 0), username, password };
+  return {
+    kind,
+    sentinels: nodes,
+    masterName,
+    db: Number(rawDb ?? 0),
+    username,
+    password,
+    sentinelUsername: params.get('sentinelUsername') || undefined,
+    sentinelPassword: params.get('sentinelPassword') || undefined,
+    tls,
+  };
 }
 
 /** The address part of a topology, for messages: never the credentials. */
@@ -151,7 +196,8 @@ export function describeRedis(topology: RedisTopology): string {
   const hosts = (topology.kind === 'sentinel' ? topology.sentinels : topology.nodes)
     .map((node) => `${node.host.includes(':') ? `[${node.host}]` : node.host}:${node.port}`)
     .join(',');
+  const tls = topology.tls ? ' over TLS' : '';
   return topology.kind === 'sentinel'
-    ? `Redis master "${topology.masterName}" via Sentinel ${hosts}`
-    : `Redis Cluster ${hosts}`;
+    ? `Redis master "${topology.masterName}" via Sentinel ${hosts}${tls}`
+    : `Redis Cluster ${hosts}${tls}`;
 }

@@ -4,7 +4,7 @@ import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
-import { redactUrl } from './redact.js';
+import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { parseSize } from './size.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
@@ -72,6 +72,8 @@ export interface BridgeSettings {
   sourceUrls: string[];
   /** The source broker's management API, when a config file names one (for the queue TTL check). */
   sourceManagementUrl?: string;
+  /** The CA file to trust for an https sourceManagementUrl (default: the system's CAs). */
+  sourceManagementCa?: string;
   sourceQueue: string;
   /** The first of targetUrls. */
   targetUrl: string;
@@ -157,6 +159,12 @@ function urlWith(protocols: string[], example: string) {
       });
     } else if (parsed.hostname === '') {
       ctx.addIssue({ code: 'custom', message: `"${redactUrl(value)}" has no host; use ${example}` });
+    } else if (hasHiddenPassword(value)) {
+      // amqp://bob:12?x@host is host "bob", port 12 to a URL parser: the bridge would go there.
+      ctx.addIssue({
+        code: 'custom',
+        message: `"${redactUrl(value)}" has an @ after its host, so its password is read as a host, path or query; percent-encode / ? # @ in a password (%2F %3F %23 %40)`,
+      });
     } else if (!decodable(parsed.username, parsed.password, parsed.pathname)) {
       ctx.addIssue({
         code: 'custom',
@@ -187,6 +195,13 @@ const amqpUrlList = z
       .filter((item) => item.length > 0),
   )
   .pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
+/** The same check on the text as given (a job file's source or target), for urlOrReference. */
+export const amqpUrlsText = z.string().superRefine((value, ctx) => {
+  const parsed = amqpUrlList.safeParse(value);
+  if (!parsed.success) {
+    for (const issue of parsed.error.issues) ctx.addIssue({ code: 'custom', message: issue.message });
+  }
+});
 // One server, a Sentinel set or a Cluster: src/config/redis-url.ts reads all three forms.
 export const redisUrl = z.string().superRefine((value, ctx) => {
   try {

@@ -44,12 +44,11 @@ const TLS_SCHEME: Record<TlsSide, string> = { source: 'amqps', target: 'amqps', 
 const URL_FLAG: Record<TlsSide, string> = { source: '--source', target: '--target', redis: '--redis' };
 
 export function isTlsUrl(url: string): boolean {
-  try {
-    const protocol = new URL(url).protocol;
-    return protocol === 'amqps:' || protocol === 'rediss:';
-  } catch {
-    return false;
-  }
+  // The Sentinel and Cluster forms are not WHATWG URLs: read the scheme as text.
+  const scheme = /^([a-z][a-z0-9+.-]*):\/\//i.exec(url)?.[1]?.toLowerCase();
+  return (
+    scheme === 'amqps' || scheme === 'rediss' || scheme === 'rediss-sentinel' || scheme === 'rediss-cluster'
+  );
 }
 
 function flag(side: TlsSide, kind: FileKind): string {
@@ -90,15 +89,30 @@ function readPem(side: TlsSide, files: TlsFiles): TlsPem {
 }
 
 function checkCertificate(side: TlsSide, kind: FileKind, path: string, pem: Buffer): void {
+  checkPemCertificate(flag(side, kind), path, pem);
+}
+
+function checkPemCertificate(name: string, path: string, pem: Buffer): void {
   try {
     // Node takes a CA file without a certificate in it and then trusts nothing: say so now.
     if (!pem.includes('-----BEGIN CERTIFICATE-----')) throw new Error('no certificate');
     new X509Certificate(pem);
   } catch {
-    throw new ConfigError(
-      `${flag(side, kind)}: "${path}" holds no PEM certificate (-----BEGIN CERTIFICATE-----)`,
-    );
+    throw new ConfigError(`${name}: "${path}" holds no PEM certificate (-----BEGIN CERTIFICATE-----)`);
   }
+}
+
+/** Reads a CA file named by `name` (a flag or a config key) and checks it holds a certificate. */
+export function readCaFile(name: string, path: string): Buffer {
+  let pem: Buffer;
+  try {
+    pem = readFileSync(path);
+  } catch (error) {
+    const code = (error as NodeJS.ErrnoException).code ?? 'unreadable';
+    throw new ConfigError(`${name}: cannot read "${path}" (${code}); give the path of a PEM file`);
+  }
+  checkPemCertificate(name, path, pem);
+  return pem;
 }
 
 /**
@@ -111,13 +125,9 @@ export function checkTlsFiles(side: TlsSide, url: string, files: TlsFiles): TlsF
   const first = given[0];
   if (first === undefined) return {};
   if (!isTlsUrl(url)) {
-    const scheme = TLS_SCHEME[side];
-    const plain = url.split(':')[0];
-    if (plain === 'redis-sentinel' || plain === 'redis-cluster') {
-      throw new ConfigError(
-        `${flag(side, first)}: TLS is available for a single Redis server only (rediss://), not for ${plain}://; leave the TLS options out`,
-      );
-    }
+    const plain = url.split(':')[0] ?? '';
+    // redis-sentinel:// wants rediss-sentinel://, as redis:// wants rediss://.
+    const scheme = side === 'redis' ? plain.replace(/^redis(?=$|-)/, 'rediss') : TLS_SCHEME[side];
     throw new ConfigError(
       `${flag(side, first)}: needs ${URL_FLAG[side]} to be ${scheme}://, not ${plain}://; use ${scheme}:// (with TLS options the bridge never connects plain)`,
     );
@@ -184,6 +194,15 @@ export function redisTlsOptions(url: string, files: TlsFiles | undefined): { tls
   return isTlsUrl(url) ? { tls: connectOptions('redis', url, files) } : {};
 }
 
+/**
+ * The tls.connect options for each server of a Sentinel set or a Cluster: our CA and client
+ * certificate, certificates always verified. No servername: each connection is checked against
+ * the host it dials (a sentinel, or the address Sentinel or the Cluster announces).
+ */
+export function redisNodeTlsOptions(files: TlsFiles | undefined): ConnectionOptions {
+  return { ...readPem('redis', files ?? {}), rejectUnauthorized: true };
+}
+
 // Node's names for a certificate chain it cannot trust with the CAs it was given.
 const UNTRUSTED = new Set([
   'UNABLE_TO_VERIFY_LEAF_SIGNATURE',
@@ -219,7 +238,8 @@ const NOT_TLS = new Set([
  * Names a TLS failure and its fix, or undefined when the error is not about TLS. None of these
  * are retried: another attempt meets the same certificate.
  */
-export function tlsFailure(error: unknown, side: TlsSide): string | undefined {
+export function tlsFailure(error: unknown, side: TlsSide, prefix = `--${side}`): string | undefined {
+  const flag = (_side: TlsSide, kind: FileKind) => `${prefix}-${kind}`;
   const code = (error as { code?: unknown } | undefined)?.code;
   if (typeof code !== 'string') return undefined;
   if (UNTRUSTED.has(code)) return `TLS certificate not trusted (${code}); check ${flag(side, 'ca')}`;

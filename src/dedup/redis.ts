@@ -1,9 +1,15 @@
+import { type ConnectionOptions, connect as tlsConnect } from 'node:tls';
 import { Cluster, Redis } from 'ioredis';
 import { backoffDelay } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
-import { passwordOf, redactSecrets } from '../config/redact.js';
-import { describeRedis, parseRedisUrl, type RedisTopology } from '../config/redis-url.js';
-import { redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
+import { redactSecrets, secretsOf } from '../config/redact.js';
+import {
+  describeRedis,
+  parseRedisUrl,
+  type RedisNodeAddress,
+  type RedisTopology,
+} from '../config/redis-url.js';
+import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { ConfigError, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { masterNodes } from './slots.js';
@@ -30,6 +36,14 @@ function refusal(where: string, error: Error, reconnecting: boolean): string {
   return reconnecting
     ? `${where}: ${code} on reconnecting — ${what} against Redis (retrying meanwhile; messages wait unacked in the source)`
     : `${where}: ${code} — ${what}`;
+}
+
+// ioredis reports sentinels that all refused us as one error ending in the last reply.
+const SENTINELS_REFUSED = /Last error: (WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH)/;
+
+/** The line for credentials the sentinels refused (their own, not the master's). */
+function sentinelRefusal(where: string, code: string): string {
+  return `${where}: ${code} from the sentinels — they refused their credentials; check sentinelUsername and sentinelPassword in the URL's query (the sentinels' own, which may differ from the master's)`;
 }
 
 /**
@@ -63,6 +77,8 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
       ...redisTlsOptions(topology.url, tls),
     });
   const { username, password } = topology;
+  // The same CA and client certificate for every server of the set (see redisNodeTlsOptions).
+  const nodeTls = topology.tls ? redisNodeTlsOptions(tls) : undefined;
   if (topology.kind === 'sentinel') {
     return new Redis({
       ...common,
@@ -72,6 +88,10 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
       db: topology.db,
       username,
       password,
+      sentinelUsername: topology.sentinelUsername,
+      sentinelPassword: topology.sentinelPassword,
+      // TLS to the sentinels (sentinelTLS) and to the master they name (tls, with the mode flag).
+      ...(nodeTls ? { tls: nodeTls, sentinelTLS: nodeTls, enableTLSForSentinelMode: true } : {}),
       retryStrategy,
       sentinelRetryStrategy: retryStrategy,
       // Reconnect as soon as Sentinel announces a new master, not only when the old one drops us.
@@ -80,13 +100,41 @@ function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisCli
   }
   return new Cluster(topology.nodes, {
     lazyConnect: true,
-    redisOptions: { ...common, username, password },
+    redisOptions: { ...common, username, password, ...(nodeTls ? { tls: nodeTls } : {}) },
     clusterRetryStrategy: retryStrategy,
     // While a replica takes over a dead master's slots, commands wait and retry rather than fail.
     retryDelayOnFailover: 200,
     retryDelayOnClusterDown: 300,
     maxRedirections: 50,
   });
+}
+
+/**
+ * Why a TLS handshake with the first of `nodes` that answers fails, or undefined. ioredis loses
+ * this for a Sentinel set (it reports only "All sentinels are unreachable") and a Cluster (it
+ * reads the slots over a throwaway connection), so a handshake of our own names the certificate
+ * problem instead of retrying it for the whole --retry-for.
+ */
+async function tlsProblemOf(
+  nodes: readonly RedisNodeAddress[],
+  options: ConnectionOptions,
+): Promise<string | undefined> {
+  for (const node of nodes) {
+    const error = await new Promise<unknown>((resolve) => {
+      const socket = tlsConnect({ ...options, host: node.host, port: node.port }, () => {
+        socket.destroy();
+        resolve(undefined);
+      });
+      socket.once('error', resolve);
+      socket.setTimeout(5000, () => {
+        socket.destroy();
+        resolve(undefined);
+      });
+    });
+    const problem = tlsFailure(error, 'redis');
+    if (problem) return problem;
+  }
+  return undefined;
 }
 
 /**
@@ -103,7 +151,11 @@ export async function connectRedis(
 ): Promise<RedisClient> {
   const topology = parseRedisUrl(url);
   const where = describeRedis(topology);
-  const secret = topology.kind === 'standalone' ? passwordOf(url) : (topology.password ?? '');
+  const secret = [
+    ...secretsOf(url),
+    ...(topology.kind === 'standalone' ? [] : [topology.password ?? '']),
+    ...(topology.kind === 'sentinel' ? [topology.sentinelPassword ?? ''] : []),
+  ];
   let lastError: unknown;
   const redis = newClient(topology, tls);
   let connected = false;
@@ -115,16 +167,21 @@ export async function connectRedis(
   const onLaterError = (error: Error) => {
     lastError = error;
     if (!connected) return;
-    if (FATAL_REPLY.test(error.message)) {
+    const bySentinels = SENTINELS_REFUSED.exec(error.message)?.[1];
+    if (FATAL_REPLY.test(error.message) || bySentinels) {
       if (!refused) {
-        log.error(refusal(where, error, true));
+        log.error(
+          bySentinels
+            ? `${sentinelRefusal(where, bySentinels)} (retrying meanwhile; messages wait unacked in the source)`
+            : refusal(where, error, true),
+        );
       }
       refused = true;
       down = true;
       return;
     }
     log[down ? 'debug' : 'warn'](
-      { error: redactSecrets(describe(error), [secret]) },
+      { error: redactSecrets(describe(error), secret) },
       `${where}: connection error; reconnecting`,
     );
     down = true;
@@ -156,7 +213,7 @@ export async function connectRedis(
       const timer =
         retryForMs > 0
           ? setTimeout(() => {
-              const reason = lastError ? redactSecrets(describe(lastError), [secret]) : 'no answer';
+              const reason = lastError ? redactSecrets(describe(lastError), secret) : 'no answer';
               reject(
                 new UnavailableError(
                   `${where} is unreachable (${reason}) after retrying for ${Math.round((Date.now() - started) / 1000)}s; check that it runs and the host and port in the URL`,
@@ -179,10 +236,22 @@ export async function connectRedis(
         } else if (FATAL_REPLY.test(error.message)) {
           clearTimeout(timer);
           reject(new FatalConnectError(refusal(where, error, false)));
+        } else if (SENTINELS_REFUSED.test(error.message)) {
+          clearTimeout(timer);
+          const code = SENTINELS_REFUSED.exec(error.message)?.[1] as string;
+          reject(new FatalConnectError(sentinelRefusal(where, code)));
         } else if (!said) {
           // Once per wait, as for the brokers; the attempts after it at debug level.
           said = true;
-          log.warn({ error: redactSecrets(describe(error), [secret]) }, `${where} not reachable; retrying`);
+          if (topology.kind !== 'standalone' && topology.tls) {
+            const nodes = topology.kind === 'sentinel' ? topology.sentinels : topology.nodes;
+            void tlsProblemOf(nodes, redisNodeTlsOptions(tls)).then((problem) => {
+              if (!problem) return;
+              clearTimeout(timer);
+              reject(new FatalConnectError(`${where}: ${problem}`));
+            });
+          }
+          log.warn({ error: redactSecrets(describe(error), secret) }, `${where} not reachable; retrying`);
         }
       };
       redis.on('error', onError);

@@ -75,7 +75,13 @@ export async function runMigration(
       log,
     );
     if (settings.declareTarget) {
-      await declareTargetQueues(settings.routes, settings.sourceManagementUrl as string, log);
+      await declareTargetQueues(
+        settings.routes,
+        settings.sourceManagementUrl as string,
+        log,
+        settings.declareTargetForce,
+        settings.sourceManagementCa,
+      );
     }
     await checkTopology(settings.routes, log, stop);
 

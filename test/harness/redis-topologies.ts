@@ -15,7 +15,7 @@ export async function cli(port: number, ...args: string[]): Promise<string> {
   return stdout.trim();
 }
 
-async function until(what: string, check: () => Promise<boolean>, timeoutMs: number): Promise<void> {
+export async function until(what: string, check: () => Promise<boolean>, timeoutMs: number): Promise<void> {
   const deadline = Date.now() + timeoutMs;
   while (Date.now() < deadline) {
     if (await check().catch(() => false)) return;
@@ -37,6 +37,8 @@ export class RedisProcess {
     readonly port: number,
     private readonly config: string[],
     private readonly sentinel = false,
+    /** The server's requirepass, for the harness's own redis-cli calls. */
+    readonly password?: string,
   ) {
     this.dir = join(runDir, label);
   }
@@ -58,9 +60,15 @@ export class RedisProcess {
     await exec('redis-server', this.sentinel ? [file, '--sentinel'] : [file], { timeout: 10_000 });
     await until(
       `Redis on port ${this.port} answering`,
-      async () => (await cli(this.port, 'ping')) === 'PONG',
+      async () => (await this.cli('ping')) === 'PONG',
       10_000,
     );
+  }
+
+  /** redis-cli against this server, with its password when it has one. */
+  cli(...args: string[]): Promise<string> {
+    const auth = this.password ? ['-a', this.password, '--no-auth-warning'] : [];
+    return cli(this.port, ...auth, ...args);
   }
 
   pid(): number {

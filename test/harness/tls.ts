@@ -35,7 +35,8 @@ function makeCa(dir: string, name: string): void {
   );
 }
 
-function makeLeaf(dir: string, name: string, usage: string, san: string | undefined): void {
+/** A certificate `<name>.pem` (and `<name>.key`) signed by the CA in `dir`, for `usage` (extendedKeyUsage). */
+export function makeLeaf(dir: string, name: string, usage: string, san: string | undefined): void {
   openssl(dir, 'genpkey', '-algorithm', 'EC', '-pkeyopt', 'ec_paramgen_curve:P-256', '-out', `${name}.key`);
   openssl(
     dir,
@@ -81,6 +82,8 @@ export interface TlsServers {
   rabbit: RabbitNode;
   /** The node's TLS listener (peers must show a client certificate signed by `certs.ca`). */
   amqpsPort: number;
+  /** The node's management API over https (no client certificate asked). */
+  managementTlsPort: number;
   redis: RedisServer;
   /** Redis's TLS port (clients must show a certificate signed by `certs.ca`). */
   redissPort: number;
@@ -99,11 +102,18 @@ export async function startTlsServers(harnessRunDir: string): Promise<TlsServers
   }
   const runDir = harnessRunDir || newRunDir();
   const amqpsPort = await freePort();
+  const managementTlsPort = await freePort();
   const redissPort = await freePort();
   // The node runs as the rabbitmq user: its files go inside its folder, which RabbitNode chowns.
   const certs = makeCertificates(join(runDir, 'tls-rabbit', 'certs'));
   const rabbit = new RabbitNode(runDir, 'tls-rabbit', {
+    management: true,
     config: [
+      `management.ssl.port = ${managementTlsPort}`,
+      'management.ssl.ip = 127.0.0.1',
+      `management.ssl.cacertfile = ${certs.ca}`,
+      `management.ssl.certfile = ${certs.serverCert}`,
+      `management.ssl.keyfile = ${certs.serverKey}`,
       `listeners.ssl.default = ${amqpsPort}`,
       `ssl_options.cacertfile = ${certs.ca}`,
       `ssl_options.certfile = ${certs.serverCert}`,
@@ -126,5 +136,5 @@ export async function startTlsServers(harnessRunDir: string): Promise<TlsServers
     await stop();
     throw error;
   }
-  return { certs, rabbit, amqpsPort, redis, redissPort, stop };
+  return { certs, rabbit, amqpsPort, managementTlsPort, redis, redissPort, stop };
 }

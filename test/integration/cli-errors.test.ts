@@ -97,11 +97,15 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     for (const [overrides, pattern] of cases) expectOneLine(await runCli(args(overrides)), 2, pattern);
   });
 
-  it('TLS options with a Redis Sentinel or Cluster URL say TLS is for a single server', async () => {
+  it('TLS options with a plain Redis Sentinel or Cluster URL name the TLS form of that URL', async () => {
     const result = await runCli(
       args({ '--redis': 'redis-sentinel://127.0.0.1:26379/main', '--redis-ca': 'ca.pem' }),
     );
-    expectOneLine(result, 2, /^dedup-bridge: --redis-ca: TLS is available for a single Redis server only/);
+    expectOneLine(
+      result,
+      2,
+      /^dedup-bridge: --redis-ca: needs --redis to be rediss-sentinel:\/\/, not redis-sentinel:\/\/; use rediss-sentinel:\/\//,
+    );
   });
 
   it('wrong credentials exit 2 and say the login was refused', async () => {

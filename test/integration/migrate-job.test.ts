@@ -253,11 +253,11 @@ describe('migrate: the scheduled job', () => {
     expect(keysAfter).toContain(`dedup:{queue:${queue}}:m`);
   });
 
-  it('--declare-target creates target queues like their sources (type and arguments), from the management API', async () => {
+  it('--declare-target creates target queues like their sources (type and arguments), from the management API, and says what it declared', async () => {
     const { sourceUrl, targetUrl, sourceManagementUrl } = servers();
     const classic = uniqueName('shape-classic');
     const quorum = uniqueName('shape-quorum');
-    const args = { 'x-message-ttl': 60_000, 'x-max-length': 5000, 'x-dead-letter-exchange': 'dlx' };
+    const args = { 'x-dead-letter-exchange': 'dlx', 'x-max-priority': 5 };
     await declareQueue(sourceUrl, classic, { arguments: args });
     await declareQueue(sourceUrl, quorum, { arguments: { 'x-queue-type': 'quorum' } });
     await publishAll(sourceUrl, classic, [
@@ -275,6 +275,15 @@ describe('migrate: the scheduled job', () => {
     );
     expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: 1 });
+    // One line per queue, with what it was declared with.
+    const declared = run.stdout.split('\n').filter((line) => line.includes('declared'));
+    expect(declared).toHaveLength(2);
+    expect(declared.join('\n')).toContain(
+      `target queue \\"${classic}\\" declared (classic, durable) with arguments {\\"x-dead-letter-exchange\\":\\"dlx\\",\\"x-max-priority\\":5}`,
+    );
+    expect(declared.join('\n')).toContain(
+      `target queue \\"${quorum}\\" declared (quorum, durable) with arguments {\\"x-queue-type\\":\\"quorum\\"}`,
+    );
     // The target queues exist with the same settings: an identical declaration is accepted, another refused.
     const broker = await openBroker(targetUrl);
     await broker.channel.assertQueue(classic, { durable: true, arguments: args });
@@ -284,6 +293,57 @@ describe('migrate: the scheduled job', () => {
     );
     await broker.close();
   });
+
+  it.each([
+    ['x-max-length', 100, 'drops \\(or refuses\\) messages past a count'],
+    ['x-message-ttl', 3_600_000, 'drops \\(or dead-letters\\) messages not consumed in time'],
+    ['x-expires', 600_000, 'deletes itself, with its messages, when unused for a while'],
+  ])(
+    '--declare-target refuses a source queue with %s (the target would discard messages) unless --declare-target-force',
+    async (argument, value, why) => {
+      const { sourceUrl, targetUrl, sourceManagementUrl } = servers();
+      const queue = uniqueName('discarding');
+      const other = uniqueName('plain');
+      await declareQueue(sourceUrl, queue, { arguments: { [argument]: value } });
+      await declareQueue(sourceUrl, other);
+      const batch = (name: string) =>
+        Array.from({ length: 5 }, (_, n) => ({
+          body: `${name}-${n}`,
+          options: { headers: { _HQ_DUPL_ID: `${name}-${n}` } },
+        }));
+      await publishAll(sourceUrl, queue, batch(queue));
+      await publishAll(sourceUrl, other, batch(other));
+      const declare = ['--declare-target', '--source-management', sourceManagementUrl];
+
+      const refused = await migrateWithReport(jobArgs([other, queue], ...declare));
+      expect(refused.code).toBe(2);
+      expect(refused.stderr).toMatch(
+        new RegExp(
+          `^dedup-bridge: --declare-target: source queue "${queue}" has ${argument}=${value}, under which target queue "${queue}" ${why}; declare the target queue yourself, or give --declare-target-force to copy it anyway\n`,
+        ),
+      );
+      // Refused before anything was declared or moved, on either broker.
+      expect(await depthOf(sourceUrl, queue)).toBe(5);
+      expect(await depthOf(sourceUrl, other)).toBe(5);
+      const broker = await openBroker(targetUrl);
+      await expect(broker.channel.checkQueue(queue)).rejects.toThrow(/NOT_FOUND/);
+      await broker.close();
+      const broker2 = await openBroker(targetUrl);
+      await expect(broker2.channel.checkQueue(other)).rejects.toThrow(/NOT_FOUND/);
+      await broker2.close();
+
+      const forced = await migrateWithReport(jobArgs([other, queue], ...declare, '--declare-target-force'));
+      expect(forced.code, forced.stderr).toBe(0);
+      expect(forced.stdout).toContain(
+        `target queue \\"${queue}\\" declared (classic, durable) with arguments {\\"${argument}\\":${value}`,
+      );
+      expect(await depthOf(sourceUrl, queue)).toBe(0);
+      expect(await depthOf(sourceUrl, other)).toBe(0);
+      expect(await depthOf(targetUrl, other)).toBe(5);
+      expect(await depthOf(targetUrl, queue)).toBe(5);
+      expect(forced.report).toMatchObject({ forwarded: 10 });
+    },
+  );
 
   it('shows a live bar per queue on a terminal, with what is left and an ETA while it moves', async () => {
     const { names } = await queuesWith(2, 300, 1000);

@@ -156,6 +156,62 @@ describe('TLS (amqps:// and rediss://)', () => {
     await expect(depthOf(plainAmqp(), source)).rejects.toThrow(/NOT_FOUND/);
   });
 
+  it('the management API over https trusts the CA of --source-management-ca (migrate --declare-target), and refuses an untrusted one', async () => {
+    const source = uniqueName('tls-shape');
+    const target = uniqueName('tls-declared');
+    const shape = { 'x-dead-letter-exchange': 'dlx', 'x-max-priority': 3 };
+    await declareQueue(plainAmqp(), source, { arguments: shape });
+    await publishAll(plainAmqp(), source, batch(0, 20));
+    const management = (host = '127.0.0.1') => `https://guest:guest@${host}:${tls.managementTlsPort}`;
+    const migrate = (...extra: string[]) =>
+      runCli([
+        'migrate',
+        ...tlsRunArgs(source, target).slice(1),
+        ...['--idle-timeout', '300ms', '--quiet', '--declare-target', ...extra],
+      ]);
+
+    // The system CAs (the default) and a CA that did not sign it: refused at once, nothing moved.
+    for (const [extra, why] of [
+      [
+        ['--source-management', management()],
+        /TLS certificate not trusted \([A-Z_]+\); check --source-management-ca$/,
+      ],
+      [
+        ['--source-management', management(), '--source-management-ca', tls.certs.wrongCa],
+        /TLS certificate not trusted \([A-Z_]+\); check --source-management-ca$/,
+      ],
+      [
+        ['--source-management', management('localhost'), '--source-management-ca', tls.certs.ca],
+        /TLS certificate does not name the host "localhost"/,
+      ],
+      [
+        ['--source-management', tls.rabbit.managementUrl, '--source-management-ca', tls.certs.ca],
+        /^dedup-bridge: --source-management-ca: needs --source-management to be https:\/\/, not http:\/\//,
+      ],
+    ] as const) {
+      const refused = await migrate(...extra);
+      expect(refused.code, refused.stderr).toBe(2);
+      expect(onlyLine(refused)).toMatch(why);
+      expect(refused.stderr).not.toContain('guest:guest');
+    }
+    expect(await depthOf(plainAmqp(), source)).toBe(20);
+    await expect(depthOf(plainAmqp(), target)).rejects.toThrow(/NOT_FOUND/);
+
+    const result = await migrate('--source-management', management(), '--source-management-ca', tls.certs.ca);
+    expect(result.code, result.stderr).toBe(0);
+    expect(await depthOf(plainAmqp(), source)).toBe(0);
+    // Declared like its source (the same arguments are accepted), and holding every message.
+    await declareQueue(plainAmqp(), target, { arguments: shape });
+    const arrived = await takeAll(plainAmqp(), target);
+    expect(
+      countDelivery(
+        'declared through the https management API',
+        batch(0, 20).map((m) => m.options.headers._HQ_DUPL_ID),
+        arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+      ),
+    ).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+  });
+
   it('a CA that did not sign the server certificate is refused at once: one line, exit 2, nothing moved', async () => {
     const { source, target } = await tlsQueues(5);
     // `run` retries unreachable servers forever by default: these must end by themselves.

@@ -1,4 +1,4 @@
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
@@ -6,6 +6,7 @@ import { stringify } from 'yaml';
 import { describeConfig, loadConfigFile, loadConfigRoutes } from '../../src/config/file.js';
 import { type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
 import { ConfigError } from '../../src/errors.js';
+import { makeCertificates } from '../harness/tls.js';
 
 const SECRET = 'hunter2-Sup3rSecret';
 const folder = mkdtempSync(join(tmpdir(), 'dedup-config-'));
@@ -294,6 +295,32 @@ describe('config file', () => {
     );
   });
 
+  it("takes the CA of a broker's https management API as managementCa, for https only", () => {
+    const dir = mkdtempSync(join(tmpdir(), 'dedup-management-ca-'));
+    const { ca } = makeCertificates(dir);
+    const file = twoRoutes() as ReturnType<typeof twoRoutes> & {
+      brokers: { old: { management?: string; managementCa?: string } };
+    };
+    file.brokers.old.management = 'https://monitor:pw@old-1:15671';
+    file.brokers.old.managementCa = ca;
+    const path = configFile(file);
+    const routes = loadConfigRoutes(path, {}, 'run');
+    expect(routes.map((route) => route.sourceManagementCa)).toEqual([ca, ca]);
+    expect(describeConfig(loadConfigFile(path), routes)).toMatchObject({
+      routes: [{ source: { management: 'https://monitor:***@old-1:15671/', managementCa: ca } }, {}],
+    });
+    file.brokers.old.management = 'http://monitor:pw@old-1:15672';
+    expect(loadError(configFile(file))).toMatch(
+      /: routes\[0\] \(\w+\): brokers\.old\.managementCa: needs brokers\.old\.management to be https:\/\/, not http:\/\//,
+    );
+    file.brokers.old.management = 'https://monitor:pw@old-1:15671';
+    file.brokers.old.managementCa = join(dir, 'missing.pem');
+    expect(loadError(configFile(file))).toMatch(
+      /brokers\.old\.managementCa: cannot read ".*missing\.pem" \(ENOENT\)/,
+    );
+    rmSync(dir, { recursive: true, force: true });
+  });
+
   it('describes the effective config with every password masked', () => {
     const path = configFile(twoRoutes());
     const file = loadConfigFile(path);
@@ -355,11 +382,27 @@ describe('the example in docs/configuration.md', () => {
       .map((match) => match[1] as string)
       .find((text) => text.includes('routes:'));
     expect(example).toBeDefined();
-    const routes = loadConfigRoutes(configFile(example as string), {}, 'run');
-    expect(routes.map((route) => [route.route, route.sourceUrls.length])).toEqual([
-      ['orders', 2],
-      ['audit', 2],
-    ]);
+    // The example reads its URLs from mounted secrets and variables: give it those.
+    const secrets = mkdtempSync(join(tmpdir(), 'dedup-secrets-'));
+    for (const name of ['old-1', 'old-2', 'new']) {
+      writeFileSync(join(secrets, name), `amqp://bridge:secret@${name}:5672/prod\n`);
+    }
+    process.env.OLD_MANAGEMENT_URL = 'http://monitor:secret@old-1:15672';
+    process.env.DEDUP_REDIS_URL = 'redis://:secret@cache:6379';
+    try {
+      const text = (example as string).replaceAll('/run/secrets/', `${secrets}/`);
+      const routes = loadConfigRoutes(configFile(text), {}, 'run');
+      expect(routes.map((route) => [route.route, route.sourceUrls])).toEqual([
+        ['orders', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
+        ['audit', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
+      ]);
+      expect(routes[0]?.redisUrl).toBe('redis://:secret@cache:6379');
+      expect(routes[0]?.sourceManagementUrl).toBe('http://monitor:secret@old-1:15672');
+    } finally {
+      delete process.env.OLD_MANAGEMENT_URL;
+      delete process.env.DEDUP_REDIS_URL;
+      rmSync(secrets, { recursive: true, force: true });
+    }
   });
 });
 

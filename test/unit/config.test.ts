@@ -3,7 +3,7 @@ import { describe, expect, it } from 'vitest';
 import { addBridgeOptions } from '../../src/cli/options.js';
 import { formatDuration, parseDuration } from '../../src/config/duration.js';
 import { resolveMigrateSettings } from '../../src/config/migrate-settings.js';
-import { passwordOf, redactUrl } from '../../src/config/redact.js';
+import { passwordOf, redactSecrets, redactUrl, secretsOf } from '../../src/config/redact.js';
 import { DEFAULTS, type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
 import { ConfigError } from '../../src/errors.js';
 
@@ -136,10 +136,52 @@ describe('redactUrl', () => {
   it('leaves a URL without a password as it is', () => {
     expect(redactUrl('redis://127.0.0.1:6379')).toBe('redis://127.0.0.1:6379');
     expect(redactUrl('amqp://guest@host/')).toBe('amqp://guest@host/');
-    // An @ after the host, in an IPv6 URL or in a query, is not the end of a password.
+    // An @ after an IPv6 host is not the end of a password.
     expect(redactUrl('amqp://[::1]:5672/a@b')).toBe('amqp://[::1]:5672/a@b');
-    expect(redactUrl('redis://h:6379/0?x=a@b')).toBe('redis://h:6379/0?x=a@b');
     expect(passwordOf('amqp://[::1]:5672/a@b')).toBe('');
+    expect(redactUrl('redis://h:6379/0?db=1&family=6')).toBe('redis://h:6379/0?db=1&family=6');
+  });
+
+  it('masks an @ in a query too: it cannot be told from the end of a password', () => {
+    // The same text is user "h" with password "6379/0?x=a" to a reader that splits at the last @.
+    expect(redactUrl('redis://h:6379/0?x=a@b')).toBe('redis://h:***@b');
+  });
+
+  it.each([
+    ['?', 'amqp://bob:12?Zq9-secret@broker.example:5672/prod'],
+    ['#', 'amqp://bob:12#Zq9-secret@broker.example:5672/prod'],
+    ['/ and ?', 'amqp://bob:12/Zq9?-secret@broker.example/prod'],
+    ['@', 'amqps://bob:12@Zq9-secret@broker.example/'],
+    ['? (not parseable)', 'amqp://bob:ab?Zq9-secret@broker.example:5672/prod'],
+  ])('masks an unencoded %s in an AMQP password', (_what, url) => {
+    // amqp://bob:12?x@host is host "bob", port 12 and a query to a URL parser: no password at all.
+    const out = redactUrl(url);
+    expect(out).not.toMatch(/Zq9|secret/);
+    expect(out).toMatch(/^amqps?:\/\/bob:\*\*\*@broker\.example/);
+    expect(passwordOf(url)).toMatch(/^(12|ab).Zq9.?-secret$|^12@Zq9-secret$/);
+  });
+
+  it('masks a password given as a query parameter (ioredis takes ?password=), and keeps the rest', () => {
+    expect(redactUrl(`redis://10.0.0.5:6379/2?password=${SECRET}&db=2`)).toBe(
+      'redis://10.0.0.5:6379/2?password=***&db=2',
+    );
+    expect(redactUrl(`rediss://app@h:6380?family=4&password=${SECRET}`)).toBe(
+      'rediss://app@h:6380?family=4&password=***',
+    );
+    // The multi-host forms are no WHATWG URLs; their query is masked all the same.
+    expect(
+      redactUrl(`redis-sentinel://:${SECRET}@s1:26379,s2/m?sentinelUsername=w&sentinelPassword=${SECRET}`),
+    ).toBe('redis-sentinel://:***@s1:26379,s2/m?sentinelUsername=w&sentinelPassword=***');
+    expect(redactUrl(`redis://h?PASS=${SECRET}#x`)).toBe('redis://h?PASS=***#x');
+  });
+
+  it('lists every secret of a URL, typed and decoded, for scrubbing texts of other libraries', () => {
+    const secrets = secretsOf('redis://u:p%2Fw@h:1?password=a%20b&sentinelPassword=c+d&db=3');
+    expect(secrets).toEqual(expect.arrayContaining(['p/w', 'p%2Fw', 'a%20b', 'a b', 'c+d', 'c d']));
+    expect(secrets).not.toContain('3');
+    expect(redactSecrets('auth p/w failed near p%2Fw; c d', secrets)).toBe('auth *** failed near ***; ***');
+    // A secret that contains another is removed whole.
+    expect(redactSecrets('xabcx', ['b', 'abc'])).toBe('x***x');
   });
 
   it('masks the password in a string that is not a valid URL', () => {

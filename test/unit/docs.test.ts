@@ -106,6 +106,17 @@ describe('the docs match the code', () => {
     for (const variable of variables) expect(page, variable).toContain(`\`${variable}\``);
   });
 
+  it('no example puts a password in a flag, where ps shows it to every user of the host', () => {
+    const manifests = readdirSync(new URL('../../docs/kubernetes/', import.meta.url)).map(
+      (name) => [`docs/kubernetes/${name}`, read(`docs/kubernetes/${name}`)] as const,
+    );
+    // A flag whose value is a URL with user:password@, or a variable that holds one.
+    const inFlag = /--[a-z-]+[ =]+["']?(?:[a-z-]+:\/\/[^\s/@"']*:[^\s@"']+@|"?\$)/;
+    for (const [path, text] of [...docs, ...manifests]) {
+      for (const line of text.split('\n')) expect(line, path).not.toMatch(inFlag);
+    }
+  });
+
   it('every relative link points at a file that exists, and every #anchor at a heading of it', () => {
     for (const [path, text] of docs) {
       const folder = new URL(`../../${path}`, import.meta.url);

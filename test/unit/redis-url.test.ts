@@ -30,6 +30,40 @@ describe('--redis URL forms', () => {
       db: 2,
       username: 'app',
       password: 'p@ss',
+      sentinelUsername: undefined,
+      sentinelPassword: undefined,
+      tls: false,
+    });
+  });
+
+  it("reads a Sentinel URL over TLS, with the sentinels' own credentials in its query", () => {
+    expect(
+      parseRedisUrl('rediss-sentinel://s1:26380/orders?sentinelUsername=watch&sentinelPassword=s%2Fp'),
+    ).toMatchObject({
+      kind: 'sentinel',
+      masterName: 'orders',
+      username: undefined,
+      password: undefined,
+      sentinelUsername: 'watch',
+      sentinelPassword: 's/p',
+      tls: true,
+    });
+  });
+
+  it('reads a password with / ? # and @ in it unencoded: the user info ends at the last @', () => {
+    expect(parseRedisUrl('redis-sentinel://admin:Top/Se?c#r@et@s1:26379,s2/orders')).toMatchObject({
+      sentinels: [
+        { host: 's1', port: 26379 },
+        { host: 's2', port: 26379 },
+      ],
+      masterName: 'orders',
+      username: 'admin',
+      password: 'Top/Se?c#r@et',
+    });
+    expect(parseRedisUrl('rediss-cluster://admin:Top/Secret@n1:7000')).toMatchObject({
+      nodes: [{ host: 'n1', port: 7000 }],
+      password: 'Top/Secret',
+      tls: true,
     });
   });
 
@@ -42,6 +76,7 @@ describe('--redis URL forms', () => {
       ],
       username: undefined,
       password: 'pw',
+      tls: false,
     });
   });
 
@@ -60,7 +95,7 @@ describe('--redis URL forms', () => {
     ['redis-sentinel://s1:99999/orders', /port 99999, outside 1-65535/],
     ['redis-cluster://n1:7000/0', /a Cluster has only database 0/],
     ['redis-cluster://n1:7000?tls=1', /query/],
-    ['rediss-cluster://n1:7000', /TLS to a Sentinel set or a Cluster is not supported/],
+    ['redis-sentinel://s1/orders?password=x', /query parameter "password"; it takes only sentinelUsername/],
     [
       'memcached://h:11211',
       /scheme memcached; use redis or rediss \(one server\), redis-sentinel or redis-cluster/,
@@ -75,10 +110,15 @@ describe('--redis URL forms', () => {
   it.each([
     `redis-sentinel://app:${SECRET}@s1:26379`,
     `redis-cluster://:${SECRET}@n1:7000/3`,
-    `rediss-sentinel://:${SECRET}@s1/orders`,
+    `rediss-sentinel://:${SECRET}@s1/orders/x`,
+    `redis-sentinel://s1:26379/orders?sentinelPassword=${SECRET}&x=1`,
+    // Was: `has a bad host "admin:hunter2"` (the host list was cut at the first /).
+    `redis-sentinel://admin:${SECRET.replace('-', '/')}@s1:26379,s2:x/orders`,
+    `redis-cluster://admin:${SECRET.replace('-', '/')}@n1:7000,:7001`,
+    `redis://127.0.0.1:6379/x?password=${SECRET}`,
   ])('never echoes the password (%#)', (url) => {
     const message = refusal(url);
-    expect(message).not.toContain(SECRET);
+    for (const part of SECRET.split('-')) expect(message).not.toContain(part);
     expect(message).toContain('***');
   });
 
