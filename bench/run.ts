@@ -154,6 +154,13 @@ async function main(): Promise<void> {
         `| ${row.run} | ${row.mover.toFixed(0)} | ${row['source broker'].toFixed(0)} | ${row['target broker'].toFixed(0)} | ${row.Redis.toFixed(0)} | ${row.all.toFixed(0)} |`,
       );
     }
+    say(
+      `mover CPU after the last arrival (its last acks and commits, idle wait, closing; counted above), ms, median: ${Object.entries(
+        tailCpuMs,
+      )
+        .map(([run, values]) => `${run} ${median(values).toFixed(0)}`)
+        .join(' · ')}`,
+    );
     if (figures) {
       say(
         `Redis commands per forwarded message: ${figures.redisCommandsPerMessage.sent.toFixed(4)} sent by the bridge ` +
@@ -281,7 +288,7 @@ async function timeArrivals(
   expected: number,
   timeoutMs: number,
   pids: Record<keyof CpuUse, number | undefined>,
-): Promise<{ ms: number; start: CpuUse }> {
+): Promise<{ ms: number; start: CpuUse; last: CpuUse }> {
   const connection = await amqp.connect(url);
   const channel = await connection.createChannel();
   const deadline = Date.now() + timeoutMs;
@@ -295,7 +302,7 @@ async function timeArrivals(
         first = Date.now();
         start = now;
       }
-      if (messageCount >= expected) return { ms: Date.now() - (first ?? Date.now()), start };
+      if (messageCount >= expected) return { ms: Date.now() - (first ?? Date.now()), start, last: now };
       if (Date.now() > deadline) throw new Error(`timed out with ${messageCount}/${expected} on the target`);
       await sleep(20);
     }
@@ -453,6 +460,9 @@ async function stopMover(mover: ChildProcess | string, sourceNode: RabbitNode): 
   }
 }
 
+/** CPU ms a process mover spent after the last arrival, for each round of `<profile> · <system>`. */
+const tailCpuMs: Record<string, number[]> = {};
+
 /** CPU ms per 1,000 messages by process, for each round of `<profile> · <system>`. */
 const cpuPerThousand: Record<string, CpuUse[]> = {};
 
@@ -477,7 +487,7 @@ async function measure(
     'target broker': target.pid(),
     Redis: redis.pid(),
   };
-  const { ms, start } = await timeArrivals(target.url, queue.targetQueue, expected, 300_000, pids);
+  const { ms, start, last } = await timeArrivals(target.url, queue.targetQueue, expected, 300_000, pids);
   const label = `${profile.name} ${system}`;
   if (typeof mover === 'string') {
     // Shovel acks each message once the target confirmed it: give its last acks time to land.
@@ -488,6 +498,11 @@ async function measure(
   }
   const end = cpuSample(pids);
   const key = `${profile.name} · ${system}`;
+  if (typeof mover !== 'string') {
+    // What the mover spent finishing: its last acks and commits, its idle wait, closing.
+    tailCpuMs[key] ??= [];
+    tailCpuMs[key].push(end.mover - last.mover);
+  }
   cpuPerThousand[key] ??= [];
   cpuPerThousand[key].push(
     Object.fromEntries(
