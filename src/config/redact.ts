@@ -6,15 +6,14 @@
 export function redactUrl(url: string): string {
   const parts = parse(url);
   let out = url;
-  if (parts && (parts.username || parts.password)) {
-    if (parts.password) {
-      parts.password = '***';
-      out = parts.toString();
-    }
+  if (parts?.password) {
+    parts.password = '***';
+    out = parts.toString();
   } else {
-    // No user info parsed, yet there may be a password: typed without its scheme ("user:" reads as
-    // one), unencoded so that it reads as a port and a path, query or fragment
-    // (amqp://bob:123/x@host, amqp://bob:123?x@host), or in a form that is not a WHATWG URL.
+    // No password parsed, yet there may be one: typed without its scheme ("user:" reads as one),
+    // unencoded so that it reads as a port and a path, query or fragment (amqp://bob:123/x@host,
+    // and with an @ in the user name amqp://bob@corp:123/x@host, which parses as user "bob"), or
+    // in a form that is not a WHATWG URL.
     const found = passwordSpan(url, parts !== undefined);
     if (found) out = `${url.slice(0, found.start)}***${url.slice(found.end)}`;
   }
@@ -71,7 +70,6 @@ export function redactSecrets(text: string, secrets: readonly string[]): string 
 export function passwordOf(url: string): string {
   const parts = parse(url);
   if (parts?.password) return decoded(parts.password);
-  if (parts?.username) return '';
   const found = passwordSpan(url, parts !== undefined);
   return found ? decoded(url.slice(found.start, found.end)) : '';
 }
@@ -96,8 +94,8 @@ export function secretsOf(url: string): string[] {
   return [...found];
 }
 
-/** Whether a URL that parsed with no user info still holds a password (an unencoded / ? # or @). */
+/** Whether a URL that parsed with no password still holds one (an unencoded / ? # or @). */
 export function hasHiddenPassword(url: string): boolean {
   const parts = parse(url);
-  return parts !== undefined && !parts.username && !parts.password && passwordOf(url) !== '';
+  return parts !== undefined && !parts.password && passwordOf(url) !== '';
 }
