@@ -212,7 +212,11 @@ export class SourceQueue {
       }
       return;
     }
-    if (!this.bytes.admit(message.content.length)) {
+    // A redelivered message is never returned again: each return counts toward a quorum queue's
+    // delivery limit, past which the broker drops or dead-letters it. So the bound returns a
+    // message at most once, and one that comes back is taken even past the bound (the consumer
+    // pauses at once; its window was sized for the bodies seen).
+    if (!this.bytes.admit(message.content.length, !message.fields.redelivered)) {
       // Its body is dropped at once; the broker delivers it again once the consumer is back.
       this.overflowed = true;
       try {

@@ -86,12 +86,15 @@ export class InFlightBytes {
 
   constructor(readonly bound: number) {}
 
-  /** Whether a delivery of `size` bytes may be taken: it fits, or nothing else is held. */
-  admit(size: number): boolean {
+  /**
+   * Whether a delivery of `size` bytes may be taken: it fits, or nothing else is held, or it may
+   * not be returned (`returnable` false: it was returned before, see SourceQueue.deliver).
+   */
+  admit(size: number, returnable = true): boolean {
     this.peak = Math.max(this.peak, this.held + size);
     // An empty body counts as one byte here, so that it too tells that bodies were seen.
     this.largest = Math.max(this.largest, size, 1);
-    if (this.count > 0 && this.held + size > this.bound) {
+    if (returnable && this.count > 0 && this.held + size > this.bound) {
       this.returned++;
       return false;
     }
