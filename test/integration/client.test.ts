@@ -175,8 +175,12 @@ describe('the library: producers, units and the idempotent consumer', () => {
     const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--lease', '1s'));
     expect(run.code).toBe(0);
 
-    // What the target holds, read raw (and left there for the consumer): the first batch twice, the
-    // second copy of each flagged `x-dedup-in-doubt: true`, every other message once and unflagged.
+    // What the target holds, read raw (and left there for the consumer): what the crashed bridge
+    // published twice, the second copy flagged `x-dedup-in-doubt: true`; what it had claimed and not
+    // yet published once, flagged (its claim was taken over: it might have been on the target);
+    // every other message once and unflagged. The crashed bridge may hold claims of more than the
+    // batch it crashed after (it starts with a window of one message and opens it while that batch
+    // is out), so the second group is not always empty.
     const onTarget = await peekAll(targetUrl, target);
     // Per ID, the in-doubt header of each copy, in queue order.
     const copiesOf = new Map<string, unknown[]>();
@@ -187,13 +191,24 @@ describe('the library: producers, units and the idempotent consumer', () => {
     expect([...copiesOf.keys()].sort()).toEqual([...ids].sort());
     expect(onTarget).toHaveLength(50 + firstCopies);
     expect([...copiesOf.values()].filter((flags) => flags.length === 2)).toHaveLength(firstCopies);
+    let flaggedAlone = 0;
     for (const flags of copiesOf.values()) {
       expect(flags.length).toBeLessThanOrEqual(2);
-      expect(flags[0], 'a first copy is never flagged').toBeUndefined();
-      if (flags.length === 2) expect(flags[1], 'the second copy is flagged').toBe(true);
+      if (flags.length === 2) {
+        expect(flags[0], 'the crashed bridge’s copy is not flagged').toBeUndefined();
+        expect(flags[1], 'the copy after it is flagged').toBe(true);
+      } else if (flags[0] === true) {
+        flaggedAlone++;
+      } else {
+        expect(flags[0], 'a copy that is not in doubt is not flagged').toBeUndefined();
+      }
     }
-    // The bridge's own count agrees with what the target holds.
-    expect(run.report).toMatchObject({ inDoubt: firstCopies });
+    process.stdout.write(
+      `in-doubt: ${firstCopies} published before the crash (twice on the target), ${flaggedAlone} claimed and not published (once, flagged)\n`,
+    );
+    // No copy unflagged twice, and the bridge's own count agrees with what the target holds: every
+    // flagged copy on the target is one the second run counted as in-doubt.
+    expect(run.report).toMatchObject({ inDoubt: firstCopies + flaggedAlone });
 
     // The idempotent consumer over those messages: the handler once per ID.
     const broker = await openBroker(targetUrl);
