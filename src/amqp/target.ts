@@ -181,26 +181,10 @@ export class TargetPublisher {
   }
 
   /**
-   * Publishes a message with `mandatory` and resolves with what the target said. `header` is the
+   * Publishes a message with `mandatory` and tells `answered` what the target said (a callback,
+   * not a promise: the hot path holds one promise per batch, not one per message). `header` is the
    * raw content header (property flags and list) to send; `matchKey` is the wire value of its
    * `_HQ_DUPL_ID` field (see matchKeyOf), by which a returned message is matched to its publish.
-   */
-  publish(
-    exchange: string,
-    routingKey: string | Buffer,
-    header: Buffer,
-    content: Buffer,
-    matchKey: string,
-    note: Refusal = {},
-  ): Promise<PublishOutcome> {
-    return new Promise((resolve) =>
-      this.send(exchange, routingKey, header, content, matchKey, note, resolve),
-    );
-  }
-
-  /**
-   * The same, telling `answered` what the target said: the bridge's hot path, which holds one
-   * promise per batch rather than one per message.
    */
   send(
     exchange: string,
