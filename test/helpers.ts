@@ -3,6 +3,8 @@ import { randomBytes } from 'node:crypto';
 import { fileURLToPath } from 'node:url';
 import amqp, { type ChannelModel, type ConfirmChannel, type GetMessage, type Options } from 'amqplib';
 import { expect, inject } from 'vitest';
+import { connectAmqp, vhostOf } from '../src/amqp/connect.js';
+import { clusterNameOf } from '../src/amqp/internals.js';
 import { parseDuration } from '../src/config/duration.js';
 import { DEFAULTS } from '../src/config/settings.js';
 import { sliceLengthFor } from '../src/dedup/cache.js';
@@ -339,4 +341,18 @@ export function sample(text: string, name: string, labels: Record<string, string
     if (wanted.every((pair) => have.includes(pair)) && have.length === wanted.length) return Number(match[3]);
   }
   return undefined;
+}
+
+/** The name a route from this source queue goes by in its `x-dedup-route` mark: `<cluster>/<vhost>/<queue>`. */
+export async function routeNameOf(sourceUrl: string, queue: string): Promise<string> {
+  const connection = await connectAmqp(sourceUrl, {
+    side: 'source',
+    retryForMs: 5000,
+    log: createLogger('silent'),
+  });
+  try {
+    return `${clusterNameOf(connection)}/${vhostOf(sourceUrl)}/${queue}`;
+  } finally {
+    await connection.close();
+  }
 }

@@ -7,6 +7,8 @@ import {
   migrateWithReport,
   openBroker,
   publishAll,
+  queuePair,
+  routeNameOf,
   runArgs,
   runCli,
   servers,
@@ -81,5 +83,53 @@ describe('loops are refused, never drained', () => {
     );
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     expect(String(parked[0]?.properties.headers?.['x-dedup-park-reason'])).toMatch(/^loop: /);
+  });
+
+  it("marks of other routes are carried on with this one last; this route's mark, in either form, is a loop", async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const park = uniqueName('mark-park');
+    await declareQueue(sourceUrl, park);
+    const own = await routeNameOf(sourceUrl, source);
+    const other = 'rabbit@elsewhere/%2F/orders';
+    // Each as a producer or an earlier bridge left it: the JSON string, the AMQP array of strings
+    // that bridges before 2026-12-01 wrote, and a value that is no mark of ours.
+    const marked = (id: string, route: unknown) => ({
+      body: id,
+      options: { headers: { _HQ_DUPL_ID: id, 'x-dedup-route': route } },
+    });
+    const sent = [
+      marked('other-json', JSON.stringify([other])),
+      marked('other-array', [other]),
+      marked('foreign', 'not a mark'),
+      marked('own-json', JSON.stringify([other, own])),
+      marked('own-array', [own, other]),
+    ];
+    await publishAll(sourceUrl, source, sent);
+
+    const run = await migrateWithReport(
+      migrateArgs(source, ['--target-queue', target], '--park-queue', park),
+    );
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ forwarded: 3, looped: 2, parked: 2, duplicates: 0 });
+    const arrived = await takeAll(targetUrl, target);
+    const routes = Object.fromEntries(
+      arrived.map((m) => [
+        String(m.properties.headers?._HQ_DUPL_ID),
+        m.properties.headers?.['x-dedup-route'],
+      ]),
+    );
+    expect(routes).toEqual({
+      'other-json': JSON.stringify([other, own]),
+      'other-array': JSON.stringify([other, own]),
+      foreign: JSON.stringify([own]),
+    });
+    const parked = await takeAll(sourceUrl, park);
+    const count = countDelivery(
+      'marked by this route, parked',
+      ['own-json', 'own-array'],
+      parked.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(await depthOf(sourceUrl, source)).toBe(0);
   });
 });
