@@ -8,5 +8,5 @@ export const IN_DOUBT_HEADER = 'x-dedup-in-doubt';
 export const SOURCE_USER_HEADER = 'x-dedup-source-user-id';
 /** Why a message was parked, on its copy in the park queue. */
 export const PARK_REASON_HEADER = 'x-dedup-park-reason';
-/** The routes a forwarded message went through (a JSON array of `<cluster>/<vhost>/<queue>` in one string), to see loops. */
+/** The routes a forwarded message went through (an array of `<cluster>/<vhost>/<queue>`), to see loops. */
 export const ROUTE_HEADER = 'x-dedup-route';

@@ -856,9 +856,8 @@ export class Pipeline {
 }
 
 /**
- * The routes a message went through, from its `x-dedup-route` mark: a JSON array of route names in
- * one string. Bridges before 2026-12-01 wrote an AMQP array of strings, read here too, so that a
- * message they forwarded is still seen coming back. Anything else there is no mark of ours.
+ * The routes a message went through, from its `x-dedup-route` mark: an AMQP array of route names
+ * (long strings), or one string holding a JSON array of them. Anything else there is no mark of ours.
  */
 function routeMarksOf(header: ContentHeader): string[] {
   const span = header.field(ROUTE_HEADER);
@@ -877,12 +876,13 @@ function routeMarksOf(header: ContentHeader): string[] {
 }
 
 /**
- * The mark as one string, not an AMQP array: RabbitMQ spends about 8 ms more per 1,000 publishes
- * on a header holding an array than on one holding the same names as a string (measured).
+ * The mark as an AMQP array of long strings. Not as one string holding JSON, though RabbitMQ spends
+ * about 8 ms less per 1,000 publishes on that: a bridge before 2026-12-01 reads only the array, and
+ * replaces any other value with its own array, so a loop through it, or through an older replica of
+ * the same route during a rolling update, would be acked as duplicates. The string form is read, so
+ * a later version can write it once no bridge that reads only the array is left.
  */
 function markField(marks: string[]): Buffer {
-  return rawField(
-    ROUTE_HEADER,
-    encodeValue({ type: 'S', value: Buffer.from(JSON.stringify(marks), 'utf8') }),
-  );
+  const value = marks.map((mark) => ({ type: 'S' as const, value: Buffer.from(mark, 'utf8') }));
+  return rawField(ROUTE_HEADER, encodeValue({ type: 'A', value }));
 }

@@ -69,7 +69,7 @@ function withField(built: Buffer, field: Buffer): Buffer {
 
 /** The `x-dedup-route` field a route from this source queue appends to a message that had none. */
 async function routeMarkOf(sourceUrl: string, queue: string): Promise<Buffer> {
-  return field('x-dedup-route', longString(JSON.stringify([await routeNameOf(sourceUrl, queue)])));
+  return field('x-dedup-route', array(longString(await routeNameOf(sourceUrl, queue))));
 }
 
 interface Sent {
