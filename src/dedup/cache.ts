@@ -105,19 +105,28 @@ function baseOf(prefix: string, scope: string, shard: number, shards: number): s
   return shards === 1 ? `${prefix}:{${scope}}` : `${prefix}:{${scope} ${shard}}`;
 }
 
-interface Digest {
-  /**
-   * What the scripts take for the ID: 12 bytes that stand for it in the committed hashes, then 4
-   * that pick its bucket within a generation (see digest_at in committed.lua).
-   */
-  packed: Buffer;
-  /** Picks the slot shard. */
-  shard: number;
-}
+/**
+ * An ID's SHA-1 digest as a 20-character latin1 string, one character per byte: its first 16 bytes
+ * are what the scripts take for the ID (12 that stand for it in the committed hashes, then 4 that
+ * pick its bucket within a generation, see digest_at in committed.lua), the last 4 pick the slot
+ * shard. A string, not a Buffer: Node makes it five times faster, and it is no ArrayBuffer for the
+ * garbage collector to track per message.
+ */
+type Digest = string;
 
 function digestOf(idKey: string): Digest {
-  const sha = hash('sha1', idKey, 'buffer');
-  return { packed: sha.subarray(0, 16), shard: sha.readUInt32BE(16) };
+  return hash('sha1', idKey, 'binary');
+}
+
+/** The slot shard a digest picks (its last 4 bytes, big-endian). */
+function shardOf(digest: Digest): number {
+  return (
+    ((digest.charCodeAt(16) << 24) |
+      (digest.charCodeAt(17) << 16) |
+      (digest.charCodeAt(18) << 8) |
+      digest.charCodeAt(19)) >>>
+    0
+  );
 }
 
 // Digests of recent claim keys: a key is made once per message and then claimed and committed,
@@ -127,7 +136,7 @@ const RECENT_DIGESTS_MAX = 16_384;
 
 function digestOfKey(key: string): Digest {
   let digest = recentDigests.get(key);
-  if (!digest) {
+  if (digest === undefined) {
     digest = digestOf(splitKey(key).idKey);
     rememberDigest(key, digest);
   }
@@ -147,12 +156,11 @@ function splitKey(key: string): { base: string; idKey: string } {
   return { base: key.slice(0, end), idKey: key.slice(end + CLAIM_MARK.length) };
 }
 
-/** The keys' digests as one argument, in their order (the scripts split it). */
+/** The keys' digests as one argument, 16 bytes each, in their order (the scripts split it). */
 function packedDigests(keys: readonly string[]): Buffer {
-  return Buffer.concat(
-    keys.map((key) => digestOfKey(key).packed),
-    keys.length * 16,
-  );
+  const packed = Buffer.allocUnsafe(keys.length * 16);
+  for (let i = 0; i < keys.length; i++) packed.write(digestOfKey(keys[i] as string), i * 16, 16, 'latin1');
+  return packed;
 }
 
 /**
@@ -386,7 +394,7 @@ export class DedupCache {
   /** The claim key of an ID (its key form from dedup/id); it also names the ID to the other methods. */
   keyOf(idKey: string): string {
     const digest = digestOf(idKey);
-    const shard = digest.shard % this.layout.shards;
+    const shard = shardOf(digest) % this.layout.shards;
     const key = `${baseOf(this.options.prefix, this.options.scope, shard, this.layout.shards)}${CLAIM_MARK}${idKey}`;
     rememberDigest(key, digest);
     return key;

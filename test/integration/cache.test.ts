@@ -1,3 +1,4 @@
+import { createHash } from 'node:crypto';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { DedupCache, sliceLengthFor } from '../../src/dedup/cache.js';
@@ -390,5 +391,34 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await later.claim(keys)).toEqual(keys.map(() => 'dup'));
     await expect(cacheOf(scope, 'wrong', 10_000, 2)).rejects.toThrow(ConfigError);
     await expect(cacheOf(scope, 'wrong', 10_000, 2)).rejects.toThrow(/stored over 4 shard/);
+  });
+
+  it('stores each ID by its SHA-1 digest, in the shard and bucket the layout names (what every version reads)', async () => {
+    // Worked out here from the digest alone, not through the cache's own code: a change of how the
+    // digest is made or split would leave a scope's stored IDs unseen after an upgrade.
+    const scope = uniqueName('scope');
+    const cache = await DedupCache.open(redis, {
+      token: 'layout',
+      leaseMs: 10_000,
+      windowMs: WINDOW,
+      prefix: 'dedup',
+      scope,
+      shards: 4,
+      clock: () => AT,
+    });
+    const ids = Array.from({ length: 64 }, (_, i) => `id-${i}-é-\u{1F600}-${'x'.repeat(i)}`);
+    const keys = ids.map((id) => cache.keyOf(id));
+    expect(await cache.claim(keys)).toEqual(keys.map(() => 'new'));
+    expect(await cache.commit(keys)).toEqual(keys.map(() => 'committed'));
+    const slice = Math.floor(AT / sliceLengthFor(WINDOW));
+    for (const [i, id] of ids.entries()) {
+      const sha = createHash('sha1').update(id, 'utf8').digest();
+      const base = `dedup:{${scope} ${sha.readUInt32BE(16) % 4}}`;
+      expect(keys[i]).toBe(`${base}:c:${id}`);
+      const meta = await redis.hget(`${base}:m`, String(slice));
+      const buckets = Number(/:(\d+)$/.exec(meta ?? '')?.[1]);
+      const bucket = `${base}:d:${slice}:0:${sha.readUInt32BE(12) % buckets}`;
+      expect(await redis.hexists(bucket, sha.subarray(0, 12)), id).toBe(1);
+    }
   });
 });
