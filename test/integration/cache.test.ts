@@ -344,6 +344,37 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect((await redis.hkeys(meta)).sort()).toEqual([String(current - 3), String(current)].sort());
   });
 
+  it('a writer with a longer window makes every bucket of the slice live as long, not only those it writes to', async () => {
+    const scope = uniqueName('scope');
+    const short = await pinnedCacheOf(scope, 'short');
+    const keys = Array.from({ length: 200 }, (_, i) => short.keyOf(`short-${i}`));
+    await short.claim(keys);
+    await short.commit(keys);
+    const long = await DedupCache.open(redis, {
+      token: 'long',
+      leaseMs: 10_000,
+      windowMs: 240_000,
+      prefix: 'dedup',
+      scope,
+      clock: () => AT,
+    });
+    const one = long.keyOf('long-1');
+    await long.claim([one]);
+    await long.commit([one]);
+    const slice = Math.floor(AT / 60_000);
+    const [, , , list] = ((await redis.hget(`dedup:{${scope}}:m`, String(slice))) ?? '').split(':');
+    const buckets = Number(list);
+    expect(buckets).toBeGreaterThanOrEqual(16);
+    // The slice lives a 4-minute window past its end now; an ID the short writer committed must be
+    // found for as long, wherever its bucket is.
+    const left = (slice + 1) * 60_000 + 240_000 - AT;
+    for (let b = 0; b < buckets; b++) {
+      const ttl = await redis.pttl(`dedup:{${scope}}:d:${slice}:0:${b}`);
+      expect(ttl, `bucket ${b}`).toBeGreaterThan(left - 10_000);
+    }
+    expect(await long.claim(keys)).toEqual(keys.map(() => 'dup'));
+  });
+
   it('refuses a window many slices long on a scope sliced for a shorter one, unless it is empty', async () => {
     const used = uniqueName('scope');
     const first = await cacheOf(used, 'first');

@@ -154,6 +154,9 @@ local function slice_writer(meta, slices, slice_ms, window, now, expected)
     end
   end
   local expire_at = (current_slice + 1) * slice_ms + window
+  -- A writer with a longer window than the slice's writers so far: every bucket of the slice must
+  -- now live as long, not only those this call touches.
+  local raised = current ~= nil and expire_at > current.expire_at
   if current == nil then
     -- A quarter more than the previous slice took: traffic that grows a little stays in one generation.
     local first = math.max(FIRST_BUCKETS, math.ceil(expected * 1.25 / FILL))
@@ -183,7 +186,13 @@ local function slice_writer(meta, slices, slice_ms, window, now, expected)
     if not changed then return end
     redis.call('HSET', meta, int(current_slice), format_slice(current))
     extend(meta, current.expire_at, now)
-    for key in pairs(touched) do extend(key, current.expire_at, now) end
+    if raised then
+      for g = 1, #current.buckets do
+        for b = 0, current.buckets[g] - 1 do extend(bucket_key(meta, current, g, b), current.expire_at, now) end
+      end
+    else
+      for key in pairs(touched) do extend(key, current.expire_at, now) end
+    end
   end
   return writer
 end
