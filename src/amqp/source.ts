@@ -81,6 +81,12 @@ export class SourceQueue {
   private paused = false;
   /** Set when a delivery was returned for the bound since the consumer started: it must pause. */
   private overflowed = false;
+  /**
+   * Deliveries that did not fit the byte bound, body dropped, waiting to be returned once the
+   * consumer is cancelled: returned while it is up, the broker would hand each straight back to it,
+   * marked redelivered, and a redelivered message must be taken whatever its size.
+   */
+  private unread: { channel: Channel; fields: ConsumeMessage['fields'] }[] = [];
   private flowing: Promise<void> | undefined;
   private flowAgain = false;
   /** The broker's last answer about the queue, and the last one asked while our consumer was live. */
@@ -163,6 +169,7 @@ export class SourceQueue {
     this.consumerTag = undefined;
     this.paused = false;
     this.overflowed = false;
+    this.returnUnread();
   }
 
   async consume(onMessage: (message: ConsumeMessage) => void): Promise<void> {
@@ -177,6 +184,7 @@ export class SourceQueue {
     // basic.qos applies to the consumers started after it: each consumer gets the window that fits.
     const window = this.bytes.windowFor(this.prefetch);
     await channel.prefetch(window.window);
+    this.bytes.consumerStarted();
     const reply = await channel
       .consume(this.queue, (message) => this.deliver(channel, handler, message), { noAck: false })
       .catch((error: unknown) => {
@@ -217,13 +225,12 @@ export class SourceQueue {
     // message at most once, and one that comes back is taken even past the bound (the consumer
     // pauses at once; its window was sized for the bodies seen).
     if (!this.bytes.admit(message.content.length, !message.fields.redelivered)) {
-      // Its body is dropped at once; the broker delivers it again once the consumer is back.
+      // Its body is dropped at once; it goes back once the consumer is cancelled (see unread), and
+      // the broker delivers it again once the consumer is back.
       this.overflowed = true;
-      try {
-        channel.nack(message, false, true);
-      } catch {
-        // The channel closed: the broker gives it back anyway.
-      }
+      this.unread.push({ channel, fields: message.fields });
+      // Unsettled until returned: a `multiple` ack of a later message must not cover it.
+      this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
       this.flow();
       return;
     }
@@ -287,7 +294,25 @@ export class SourceQueue {
       // What was delivered before the cancel stays ours to ack; nothing comes after its cancel-ok.
       await channel.cancel(tag).catch(() => {});
     }
+    this.returnUnread();
     if (this.paused && bytes.mayResume && this.channel === channel) await this.startConsumer(channel, false);
+  }
+
+  /** Returns the deliveries that did not fit (see unread); the consumer is cancelled by now. */
+  private returnUnread(): void {
+    const unread = this.unread;
+    this.unread = [];
+    for (const { channel, fields } of unread) {
+      const acks = this.acksOf(channel);
+      acks.unsettled.delete(fields.deliveryTag);
+      try {
+        channel.nack({ fields } as ConsumeMessage, false, true);
+        // The acks held behind it may now be covered by one `multiple` ack.
+        if (acks.ready.size > 0) this.flushSoon(channel, acks);
+      } catch {
+        // The channel closed: the broker gives it back anyway.
+      }
+    }
   }
 
   async stopConsuming(): Promise<void> {

@@ -64,6 +64,9 @@ export class TokenBucket {
   }
 }
 
+/** The most returned body sizes remembered (see InFlightBytes.returnedSizes). */
+const MAX_RETURNED_KEPT = 10_000;
+
 /**
  * The bytes of source message bodies the bridge holds (delivered, not yet acked or returned), for
  * --max-in-flight-bytes. RabbitMQ ignores a prefetch size, so the bridge keeps the bound itself: a
@@ -83,6 +86,15 @@ export class InFlightBytes {
   /** The largest body seen since nothing was last held, and the one before that moment. */
   private largest = 0;
   private largestBefore = 0;
+  /**
+   * The sizes of the bodies returned and not delivered again yet. The broker puts a returned
+   * message back at the head of the queue, and it cannot be returned twice (see admit), so the
+   * next window must fit them: one sized for the small bodies seen since would take them all at
+   * once, past the bound.
+   */
+  private returnedSizes: number[] = [];
+  /** The next delivery is a new consumer's first (see consumerStarted). */
+  private firstOfConsumer = false;
 
   constructor(readonly bound: number) {}
 
@@ -94,8 +106,19 @@ export class InFlightBytes {
     this.peak = Math.max(this.peak, this.held + size);
     // An empty body counts as one byte here, so that it too tells that bodies were seen.
     this.largest = Math.max(this.largest, size, 1);
+    if (this.firstOfConsumer) {
+      this.firstOfConsumer = false;
+      // A new consumer's first delivery is not one we returned: none of those is left at the head
+      // of the queue (another consumer took them).
+      if (returnable) this.returnedSizes = [];
+    }
+    if (!returnable) {
+      const at = this.returnedSizes.indexOf(size);
+      if (at >= 0) this.returnedSizes.splice(at, 1);
+    }
     if (returnable && this.count > 0 && this.held + size > this.bound) {
       this.returned++;
+      if (this.returnedSizes.length < MAX_RETURNED_KEPT) this.returnedSizes.push(size);
       return false;
     }
     this.held += size;
@@ -130,10 +153,26 @@ export class InFlightBytes {
   windowFor(prefetch: number): { window: number; sized: boolean } {
     const most = Math.max(1, prefetch - this.count);
     if (this.bound === Number.POSITIVE_INFINITY) return { window: most, sized: true };
+    if (this.returnedSizes.length > 0) {
+      // The returned bodies come first, in the order they were returned: as many as fit.
+      let free = this.bound - this.held;
+      let fit = 0;
+      for (const size of this.returnedSizes) {
+        if (size > free) break;
+        free -= size;
+        fit++;
+      }
+      return { window: Math.min(most, Math.max(1, fit)), sized: true };
+    }
     const typical = this.typical;
     if (typical === 0) return { window: 1, sized: false };
     const fit = Math.floor((this.bound - this.held) / typical);
     return { window: Math.min(most, Math.max(1, fit)), sized: true };
+  }
+
+  /** A consumer starts with the window windowFor gave (see admit). */
+  consumerStarted(): void {
+    this.firstOfConsumer = true;
   }
 
   /** Whether a body was seen since the last drain or before it (a window can be sized). */

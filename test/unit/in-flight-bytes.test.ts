@@ -46,4 +46,47 @@ describe('InFlightBytes (--max-in-flight-bytes)', () => {
     bytes.release(5 * MiB);
     expect(bytes.mayResume).toBe(true);
   });
+
+  it('sizes the window for the bodies it returned, which come back first and cannot be returned again', () => {
+    const bytes = new InFlightBytes(1 * MiB);
+    bytes.admit(900 * 1024);
+    // Two big bodies arrive while it is held: returned.
+    expect(bytes.admit(900 * 1024)).toBe(false);
+    expect(bytes.admit(700 * 1024)).toBe(false);
+    bytes.release(900 * 1024);
+    // Small bodies since then would size the window for a thousand of them.
+    bytes.admit(1024);
+    bytes.release(1024);
+    bytes.admit(1024);
+    bytes.release(1024);
+    // The window takes the first returned body only: both together would pass the bound, and a
+    // redelivered body is taken whatever its size.
+    expect(bytes.windowFor(500)).toEqual({ window: 1, sized: true });
+    bytes.consumerStarted();
+    expect(bytes.admit(900 * 1024, false)).toBe(true);
+    bytes.release(900 * 1024);
+    expect(bytes.windowFor(500)).toEqual({ window: 1, sized: true });
+    bytes.consumerStarted();
+    expect(bytes.admit(700 * 1024, false)).toBe(true);
+    bytes.release(700 * 1024);
+    // Both back: the window goes by the bodies seen again, small ones from now on.
+    for (let i = 0; i < 2; i++) {
+      bytes.admit(1024);
+      bytes.release(1024);
+    }
+    expect(bytes.windowFor(500)).toEqual({ window: 500, sized: true });
+    expect(bytes.peak).toBe(1800 * 1024);
+  });
+
+  it("forgets the bodies it returned when a new consumer's first delivery is not one of them (another consumer took them)", () => {
+    const bytes = new InFlightBytes(1 * MiB);
+    bytes.admit(900 * 1024);
+    expect(bytes.admit(900 * 1024)).toBe(false);
+    bytes.release(900 * 1024);
+    expect(bytes.windowFor(500)).toEqual({ window: 1, sized: true });
+    bytes.consumerStarted();
+    expect(bytes.admit(1024)).toBe(true);
+    bytes.release(1024);
+    expect(bytes.windowFor(500).window).toBeGreaterThan(1);
+  });
 });
