@@ -657,11 +657,21 @@ async function latency(
   const consumer = await consumerConnection.createChannel();
   const samples: number[] = [];
   let warmed = 0;
+  // Counted by ID, as the rounds are: a copy that arrives twice is a failure, and must not stand in
+  // for one that never arrived (nor be a second sample).
+  const seen = new Set<string>();
+  let repeated = 0;
   await consumer.consume(
     queue.targetQueue,
     (message) => {
       if (!message) return;
-      if (String(message.properties.headers?._HQ_DUPL_ID).startsWith('warm-')) {
+      const id = String(message.properties.headers?._HQ_DUPL_ID);
+      if (seen.has(id)) {
+        repeated++;
+        return;
+      }
+      seen.add(id);
+      if (id.startsWith('warm-')) {
         warmed++;
         return;
       }
@@ -698,9 +708,11 @@ async function latency(
   if (typeof mover === 'string' || mover.exitCode === null) await stopMover(mover, source);
   await producerConnection.close();
   await consumerConnection.close();
-  if (samples.length < total || warmed < warmup) {
+  if (samples.length < total || warmed < warmup || repeated > 0) {
     failures++;
-    say(`  latency run (${system}): ${total - samples.length + warmup - warmed} messages did not arrive`);
+    say(
+      `  latency run (${system}): ${total - samples.length + warmup - warmed} messages did not arrive, ${repeated} arrived again`,
+    );
   }
   const sorted = samples.sort((a, b) => a - b);
   return {

@@ -426,7 +426,9 @@ describe('the Redis cache scripts (real Redis)', () => {
 
   it('stores each ID by its SHA-1 digest, in the shard and bucket the layout names (what every version reads)', async () => {
     // Worked out here from the digest alone, not through the cache's own code: a change of how the
-    // digest is made or split would leave a scope's stored IDs unseen after an upgrade.
+    // digest is made or split would leave a scope's stored IDs unseen after an upgrade. Shard and
+    // bucket counts that are not powers of two, so that every bit of the two 32-bit numbers counts
+    // (with 4 shards and 16 buckets only 2 and 4 low bits did, and a lost top bit went unseen).
     const scope = uniqueName('scope');
     const cache = await DedupCache.open(redis, {
       token: 'layout',
@@ -434,9 +436,10 @@ describe('the Redis cache scripts (real Redis)', () => {
       windowMs: WINDOW,
       prefix: 'dedup',
       scope,
-      shards: 4,
+      shards: 5,
       clock: () => AT,
     });
+    cache.expectedIds = 100_000;
     const ids = Array.from({ length: 64 }, (_, i) => `id-${i}-é-\u{1F600}-${'x'.repeat(i)}`);
     const keys = ids.map((id) => cache.keyOf(id));
     expect(await cache.claim(keys)).toEqual(keys.map(() => 'new'));
@@ -444,10 +447,12 @@ describe('the Redis cache scripts (real Redis)', () => {
     const slice = Math.floor(AT / sliceLengthFor(WINDOW));
     for (const [i, id] of ids.entries()) {
       const sha = createHash('sha1').update(id, 'utf8').digest();
-      const base = `dedup:{${scope} ${sha.readUInt32BE(16) % 4}}`;
+      const base = `dedup:{${scope} ${sha.readUInt32BE(16) % 5}}`;
       expect(keys[i]).toBe(`${base}:c:${id}`);
       const meta = await redis.hget(`${base}:m`, String(slice));
       const buckets = Number(/:(\d+)$/.exec(meta ?? '')?.[1]);
+      // 20,000 IDs a shard with room to spare: 313 buckets, an odd number.
+      expect(buckets).toBe(313);
       const bucket = `${base}:d:${slice}:0:${sha.readUInt32BE(12) % buckets}`;
       expect(await redis.hexists(bucket, sha.subarray(0, 12)), id).toBe(1);
     }
