@@ -20,11 +20,11 @@ describe('the Redis cache scripts (real Redis)', () => {
   // Whatever is sliced or expired by time goes by a fixed clock, never by where in a minute the
   // wall clock happens to be: this window's slices are 1 min, and AT is halfway through one.
   const AT = Date.UTC(2030, 0, 1, 12, 0, 30);
-  const pinnedCacheOf = (scope: string, token: string) =>
+  const pinnedCacheOf = (scope: string, token: string, windowMs = WINDOW) =>
     DedupCache.open(redis, {
       token,
       leaseMs: 10_000,
-      windowMs: WINDOW,
+      windowMs,
       prefix: 'dedup',
       scope,
       clock: () => AT,
@@ -323,14 +323,7 @@ describe('the Redis cache scripts (real Redis)', () => {
   it('a writer with a shorter window leaves the slices a longer window still needs', async () => {
     const scope = uniqueName('scope');
     // The first writer's window (4 min) slices the scope by the minute.
-    const long = await DedupCache.open(redis, {
-      token: 'long',
-      leaseMs: 10_000,
-      windowMs: 240_000,
-      prefix: 'dedup',
-      scope,
-      clock: () => AT,
-    });
+    const long = await pinnedCacheOf(scope, 'long', 240_000);
     expect(long.layout.sliceMs).toBe(60_000);
     const now = AT;
     const current = Math.floor(now / 60_000);
@@ -350,14 +343,7 @@ describe('the Redis cache scripts (real Redis)', () => {
     const keys = Array.from({ length: 200 }, (_, i) => short.keyOf(`short-${i}`));
     await short.claim(keys);
     await short.commit(keys);
-    const long = await DedupCache.open(redis, {
-      token: 'long',
-      leaseMs: 10_000,
-      windowMs: 240_000,
-      prefix: 'dedup',
-      scope,
-      clock: () => AT,
-    });
+    const long = await pinnedCacheOf(scope, 'long', 240_000);
     const one = long.keyOf('long-1');
     await long.claim([one]);
     await long.commit([one]);
