@@ -10,6 +10,7 @@ import { DEFAULTS } from '../src/config/settings.js';
 import { sliceLengthFor } from '../src/dedup/cache.js';
 import { connectRedis } from '../src/dedup/redis.js';
 import { createLogger } from '../src/observe/log.js';
+import { array, field, longString } from './wire.js';
 
 export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
 
@@ -355,4 +356,9 @@ export async function routeNameOf(sourceUrl: string, queue: string): Promise<str
   } finally {
     await connection.close();
   }
+}
+
+/** The `x-dedup-route` field a route from this source queue appends to a message that had none. */
+export async function routeMarkOf(sourceUrl: string, queue: string): Promise<Buffer> {
+  return field('x-dedup-route', array(longString(await routeNameOf(sourceUrl, queue))));
 }

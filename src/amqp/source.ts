@@ -321,6 +321,8 @@ export class SourceQueue {
     this.consumerTag = undefined;
     // A broker that does not answer must not hold up a stop: wait at most 3 s for the cancel.
     if (tag && this.channel) await Promise.race([this.channel.cancel(tag).catch(() => {}), sleep(3000)]);
+    // What did not fit goes back now, not when the connection closes.
+    this.returnUnread();
   }
 
   get isConnected(): boolean {

@@ -15,7 +15,7 @@ import {
   openBroker,
   publishAll,
   queuePair,
-  routeNameOf,
+  routeMarkOf,
   runArgs,
   sample,
   servers,
@@ -24,7 +24,7 @@ import {
   waitFor,
   withOption,
 } from '../helpers.js';
-import { array, basicProperties, bool, field, int32, longString, table } from '../wire.js';
+import { basicProperties, bool, field, int32, longString, table } from '../wire.js';
 import { adminServers } from './privilege-admin.js';
 
 // The bridge's hot path: bodies copied out of the socket read, content headers spliced into one
@@ -35,11 +35,6 @@ import { adminServers } from './privilege-admin.js';
 const log = createLogger('silent');
 const ID = '_HQ_DUPL_ID';
 const IN_DOUBT = 'x-dedup-in-doubt';
-
-/** The `x-dedup-route` field a route from this source queue appends to a message that had none. */
-async function routeMark(sourceUrl: string, queue: string): Promise<Buffer> {
-  return field('x-dedup-route', array(longString(await routeNameOf(sourceUrl, queue))));
-}
 
 /** Publishes content headers built by hand, with their bodies, through the default exchange. */
 async function publishBuilt(url: string, queue: string, messages: { header: Buffer; body: Buffer }[]) {
@@ -131,7 +126,7 @@ describe('the hot path', () => {
         300_000,
       ];
       const messages: { header: Buffer; body: Buffer; expected: Buffer }[] = [];
-      const mark = await routeMark(sourceUrl, source);
+      const mark = await routeMarkOf(sourceUrl, source);
       sizes.forEach((size, index) => {
         // Small messages around each big one share the socket reads it came in.
         for (const [kind, length] of [

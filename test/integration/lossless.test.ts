@@ -13,7 +13,7 @@ import {
   migrateArgs,
   migrateWithReport,
   openBroker,
-  routeNameOf,
+  routeMarkOf,
   runArgs,
   servers,
   startCli,
@@ -65,11 +65,6 @@ function props(spec: BasicProperties = {}): Built {
 function withField(built: Buffer, field: Buffer): Buffer {
   const { spec } = built as Built;
   return basicProperties({ ...spec, headers: Buffer.concat([spec.headers ?? Buffer.alloc(0), field]) });
-}
-
-/** The `x-dedup-route` field a route from this source queue appends to a message that had none. */
-async function routeMarkOf(sourceUrl: string, queue: string): Promise<Buffer> {
-  return field('x-dedup-route', array(longString(await routeNameOf(sourceUrl, queue))));
 }
 
 interface Sent {
