@@ -25,24 +25,12 @@ local slice_ms, wrong = slice_length(KEYS[2], ARGV[3], true)
 if not slice_ms then return redis.error_reply(wrong) end
 local slices, expired = read_slices(meta, slice_ms, window, now)
 local writer = slice_writer(meta, slices, slice_ms, window, now, tonumber(ARGV[5]) or 0)
--- The claims are read, then deleted (they go in every case), with one MGET and one DEL per
--- thousand IDs rather than a GETDEL each: from Lua, calling a command costs more than the command.
-local claims = {}
-for first = 3, #KEYS, 1000 do
-  local last = math.min(first + 999, #KEYS)
-  local values = redis.call('MGET', unpack(KEYS, first, last))
-  for j = 1, #values do claims[first - 3 + j] = values[j] end
-  redis.call('DEL', unpack(KEYS, first, last))
-end
-local seen = {}
 local reply = {}
 for i = 1, #KEYS - 2 do
   local key = KEYS[i + 2]
   local field, h = digest_at(ARGV[4], i)
-  local value = claims[i]
-  -- The same key again in this call: its claim is gone, as if deleted by the first.
-  if seen[key] then value = false end
-  seen[key] = true
+  -- Read and delete in one: the claim goes in every case.
+  local value = redis.call('GETDEL', key)
   local owner = value and string.match(value, '^c:([^:]*):')
   if owner then
     -- A claim and a committed record never coexist, so there is nothing to look up.
