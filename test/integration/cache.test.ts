@@ -72,6 +72,20 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await mine.claim([a])).toEqual(['dup']);
   });
 
+  it('tells its own claim from one whose owner token starts with its own', async () => {
+    const scope = uniqueName('scope');
+    const short = await cacheOf(scope, 'own', 1000);
+    const long = await cacheOf(scope, 'owner');
+    const a = short.keyOf('a');
+    expect(await short.claim([a])).toEqual(['new']);
+    await sleep(1100);
+    expect(await long.claim([a])).toEqual(['in-doubt']);
+    expect(await redis.get(a)).toMatch(/^c:owner:/);
+    // The claim is 'owner''s now: to 'own' that is a claim taken over, not its own.
+    expect(await short.commit([a])).toEqual(['taken']);
+    expect(await long.commit([a])).toEqual(['already']);
+  });
+
   it('releases only its own claims, and commits an ID whose record vanished', async () => {
     const scope = uniqueName('scope');
     const mine = await cacheOf(scope, 'mine');

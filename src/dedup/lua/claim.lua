@@ -34,13 +34,14 @@ local keep = int(lease + window)
 local slice_ms, wrong = slice_length(KEYS[2], ARGV[4], true)
 if not slice_ms then return redis.error_reply(wrong) end
 local slices = read_slices(meta, slice_ms, window, now)
+local packed = ARGV[5]
 local reply = {}
 for i = 1, #KEYS - 2 do
   local key = KEYS[i + 2]
-  local field, h = digest_at(ARGV[5], i)
+  local field, h = digest_at(packed, i)
   if find_committed(meta, slices, field, h) then
     reply[i] = 1
-  elseif redis.call('SET', key, new_claim, 'PX', keep, 'NX') then
+  elseif call('SET', key, new_claim, 'PX', keep, 'NX') then
     reply[i] = 0
   else
     local value = redis.call('GET', key)

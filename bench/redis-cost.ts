@@ -1,0 +1,121 @@
+// npm run bench:redis-cost [-- IDS]: the instructions Redis executes per ID to claim and commit,
+// counted by valgrind's callgrind. Unlike CPU time, the count does not move with the machine's load
+// or speed, so two builds of the scripts compare to the percent (run it on each). Needs valgrind
+// (apt-get install valgrind); starts its own Redis under it on a free port, and stops it after.
+import { execFileSync, spawn } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { Redis } from 'ioredis';
+import { DedupCache } from '../src/dedup/cache.js';
+
+const IDS = Number(process.argv[2] ?? 10_000);
+const BATCH = 200;
+const say = (text: string) => process.stdout.write(`${text}\n`);
+
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer().listen(0, '127.0.0.1', () => {
+      const address = server.address();
+      server.close(() =>
+        typeof address === 'object' && address ? resolve(address.port) : reject(new Error('no port')),
+      );
+    });
+  });
+}
+
+const dir = mkdtempSync(join(tmpdir(), 'redis-cost-'));
+const port = await freePort();
+const server = spawn(
+  'valgrind',
+  [
+    '--tool=callgrind',
+    `--callgrind-out-file=${dir}/callgrind.out`,
+    'redis-server',
+    '--port',
+    String(port),
+    '--save',
+    '',
+    '--appendonly',
+    'no',
+  ],
+  { stdio: 'ignore' },
+);
+server.on('error', () => {
+  say('redis-cost: valgrind could not be started; install it (apt-get install valgrind)');
+  process.exit(2);
+});
+const control = (flag: string) =>
+  execFileSync('callgrind_control', [flag, String(server.pid)], { stdio: 'pipe' });
+
+/** Instructions counted since the last zeroing, from the dump callgrind writes next. */
+function dumped(before: Set<string>): number {
+  control('-d');
+  for (let tries = 0; tries < 100; tries++) {
+    for (const name of readdirSync(dir).filter((file) => !before.has(file))) {
+      const count = /^(?:summary|totals): (\d+)/m.exec(readFileSync(join(dir, name), 'utf8'))?.[1];
+      if (count) return Number(count);
+    }
+    execFileSync('sleep', ['0.1']);
+  }
+  throw new Error('callgrind wrote no dump');
+}
+
+let redis: Redis | undefined;
+try {
+  // Redis under valgrind takes seconds to listen.
+  for (let tries = 0; ; tries++) {
+    try {
+      if (
+        execFileSync('redis-cli', ['-p', String(port), 'ping'], { stdio: 'pipe' })
+          .toString()
+          .includes('PONG')
+      )
+        break;
+    } catch {}
+    if (tries > 100) throw new Error('Redis under valgrind did not start');
+    execFileSync('sleep', ['0.3']);
+  }
+  redis = new Redis({ port, maxRetriesPerRequest: 1, retryStrategy: () => null });
+  // A fixed clock: the same slices and expiries on every run, wherever the wall clock is.
+  let now = Date.UTC(2030, 0, 1, 12, 0, 30);
+  const cache = await DedupCache.open(redis, {
+    token: 'redis-cost-owner',
+    leaseMs: 30_000,
+    windowMs: 3_600_000,
+    prefix: 'cost',
+    scope: 'ids',
+    clock: () => now,
+  });
+  cache.expectedIds = IDS;
+  const keys = Array.from({ length: IDS }, (_, i) => cache.keyOf(`id-${i}`));
+  const claims = Array.from({ length: IDS / BATCH }, (_, i) => keys.slice(i * BATCH, (i + 1) * BATCH));
+  const before = () => new Set(readdirSync(dir));
+  let claimed = 0;
+  let committed = 0;
+  for (const batch of claims) {
+    let seen = before();
+    control('-z');
+    const states = await cache.claim(batch);
+    claimed += dumped(seen);
+    if (states.some((state) => state !== 'new'))
+      throw new Error(`a new ID was not claimed: ${states.join(',')}`);
+    seen = before();
+    control('-z');
+    const results = await cache.commit(batch);
+    committed += dumped(seen);
+    if (results.some((result) => result !== 'committed'))
+      throw new Error(`a claim did not commit: ${results.join(',')}`);
+    now += 5;
+  }
+  say(`redis-cost: ${IDS} IDs in batches of ${BATCH}, Redis instructions per ID (callgrind)`);
+  say(`  claim  ${Math.round(claimed / IDS)}`);
+  say(`  commit ${Math.round(committed / IDS)}`);
+  say(`  both   ${Math.round((claimed + committed) / IDS)}`);
+} finally {
+  await redis?.shutdown('NOSAVE').catch(() => {});
+  redis?.disconnect();
+  server.kill('SIGKILL');
+  rmSync(dir, { recursive: true, force: true });
+}
