@@ -299,14 +299,31 @@ describe('cache tools and start-up safety checks', () => {
       ]);
       await redis.del(claim);
 
+      // When the last ID expires is the newest slice's expiry, read from Redis around the call: how
+      // long that is depends on where in a slice the wall clock was, so the test computes it.
+      const redisNow = async () => {
+        const [s, micros] = (await redis.time()) as [string | number, string | number];
+        return Number(s) * 1000 + Math.floor(Number(micros) / 1000);
+      };
+      const slices = Object.values(await redis.hgetall(`${prefix}:{${scope}}:m`));
+      const lastExpiry = Math.max(...slices.map((value) => Number(value.split(':')[2])));
+      const askedAt = await redisNow();
       const unforced = await runCli([...tool, '--yes']);
+      const answeredAt = await redisNow();
       expect(unforced.code).toBe(2);
       expect(lines(unforced.stderr)).toHaveLength(1);
-      expect(unforced.stderr).toMatch(
-        new RegExp(
-          `scope "${scope}" holds 3 committed ID\\(s\\); .* If they are from a trial, add --force; or wait until they expire \\(the last in \\d+m \\d+s\\)`,
-        ),
+      const said = new RegExp(
+        `scope "${scope}" holds 3 committed ID\\(s\\); .* If they are from a trial, add --force; or wait until they expire \\(the last in ((?:\\d+[dhms] ?)+)\\)`,
+      ).exec(unforced.stderr);
+      expect(said, unforced.stderr).not.toBeNull();
+      const unitMs: Record<string, number> = { d: 86_400_000, h: 3_600_000, m: 60_000, s: 1000 };
+      const saidMs = [...(said?.[1] ?? '').matchAll(/(\d+)([dhms])/g)].reduce(
+        (sum, [, n, unit]) => sum + Number(n) * (unitMs[unit as string] ?? 0),
+        0,
       );
+      // Printed in whole seconds, rounded down, at a moment between the two readings.
+      expect(saidMs).toBeLessThanOrEqual(lastExpiry - askedAt);
+      expect(saidMs).toBeGreaterThan(lastExpiry - answeredAt - 1000);
       expect(await redis.exists(`${prefix}:{${scope}}:m`)).toBe(1);
 
       const reset = await runCli([...tool, '--yes', '--force']);
