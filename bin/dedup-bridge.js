@@ -2,19 +2,23 @@
 // Thin shim: the CLI lives in src/cli (built to dist/cli).
 import { existsSync } from 'node:fs';
 
-// Node 24 lets V8's young generation grow to 128 MiB on a large host, which is most of what a
-// bridge under load holds (peak RSS 200-300 MiB against 170 with 16 MiB semi-spaces, at no
-// measurable CPU cost). The flag only works from the start, so the process replaces itself once
-// with it, keeping its pid, streams and signals; unless a semi-space size was chosen already, or
-// this Node cannot (process.execve: Node 22.15+, not on Windows).
-const SEMI_SPACE = '--max-semi-space-size';
-const chosen = [...process.execArgv, ...(process.env.NODE_OPTIONS ?? '').split(/\s+/)].some((flag) =>
-  flag.startsWith(SEMI_SPACE),
-);
-if (!chosen && typeof process.execve === 'function') {
+// V8's defaults on a large host let a bridge under load hold far more memory than it uses: the
+// young generation grows to 128 MiB, and the old one to several times what survived its last
+// collection (peak RSS 193-199 MiB in a 100,000-message migrate; with the two settings below
+// 137-144 MiB, for 7-19% more CPU in this process; docs/performance.md, Memory). The flags only
+// work from the start, so the process replaces itself once with them, keeping its pid, streams and
+// signals; a setting the user chose (on node's command line or in NODE_OPTIONS) is kept, and a Node
+// that cannot (process.execve: Node 22.15+, not on Windows) runs with its own defaults.
+const DEFAULTS = ['--max-semi-space-size=8', '--heap-growing-percent=100'];
+const given = [...process.execArgv, ...(process.env.NODE_OPTIONS ?? '').split(/\s+/)];
+const missing = DEFAULTS.filter((flag) => {
+  const name = flag.slice(0, flag.indexOf('='));
+  return !given.some((option) => option === name || option.startsWith(`${name}=`));
+});
+if (missing.length > 0 && typeof process.execve === 'function') {
   process.execve(process.execPath, [
     process.execPath,
-    `${SEMI_SPACE}=16`,
+    ...missing,
     ...process.execArgv,
     ...process.argv.slice(1),
   ]);

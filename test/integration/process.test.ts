@@ -37,7 +37,7 @@ async function startRun(nodeOptions: string[], args: string[]) {
 }
 
 describe('the CLI process', () => {
-  it('runs with a 16 MiB young generation, as the same process (its pid, its signals), and forwards', async () => {
+  it('runs with 8 MiB semi-spaces and a heap growing by 100%, as the same process (its pid, its signals), and forwards', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const bridge = await startRun([], runArgs(source, ['--target-queue', target]));
     let line: string[] = [];
@@ -56,7 +56,8 @@ describe('the CLI process', () => {
       bridge.stop();
     }
     expect(await bridge.done).toBe(0);
-    expect(line).toContain('--max-semi-space-size=16');
+    expect(line).toContain('--max-semi-space-size=8');
+    expect(line).toContain('--heap-growing-percent=100');
     expect(line).toContain(CLI);
     const received = (await takeAll(targetUrl, target)).map((m) => idText(m.properties.headers?._HQ_DUPL_ID));
     const count = countDelivery(
@@ -67,7 +68,7 @@ describe('the CLI process', () => {
     expect([count.lost, count.duplicated, count.unexpected]).toEqual([0, 0, 0]);
   });
 
-  it('keeps a semi-space size the user chose', async () => {
+  it('keeps the memory settings the user chose, and adds only the others', async () => {
     const { source, target } = await queuePair();
     const bridge = await startRun(['--max-semi-space-size=4'], runArgs(source, ['--target-queue', target]));
     const line = commandLine(bridge.pid);
@@ -75,6 +76,24 @@ describe('the CLI process', () => {
     expect(await bridge.done).toBe(0);
     expect(line.filter((arg) => arg.startsWith('--max-semi-space-size'))).toEqual([
       '--max-semi-space-size=4',
+    ]);
+    expect(line.filter((arg) => arg.startsWith('--heap-growing-percent'))).toEqual([
+      '--heap-growing-percent=100',
+    ]);
+
+    const both = await startRun(
+      ['--heap-growing-percent=50', '--max-semi-space-size=2'],
+      runArgs(source, ['--target-queue', target]),
+    );
+    const bothLine = commandLine(both.pid);
+    both.stop();
+    expect(await both.done).toBe(0);
+    // Nothing to add: the process runs with the user's settings alone.
+    expect(bothLine.filter((arg) => arg.startsWith('--heap-growing-percent'))).toEqual([
+      '--heap-growing-percent=50',
+    ]);
+    expect(bothLine.filter((arg) => arg.startsWith('--max-semi-space-size'))).toEqual([
+      '--max-semi-space-size=2',
     ]);
   });
 });
