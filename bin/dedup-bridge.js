@@ -7,14 +7,18 @@ import { existsSync } from 'node:fs';
 // collection (peak RSS 193-199 MiB in a 100,000-message migrate; with the two settings below
 // 137-144 MiB, for 7-19% more CPU in this process; docs/performance.md, Memory). The flags only
 // work from the start, so the process replaces itself once with them, keeping its pid, streams and
-// signals; a setting the user chose (on node's command line or in NODE_OPTIONS) is kept, and a Node
-// that cannot (process.execve: Node 22.15+, not on Windows) runs with its own defaults.
+// signals; a setting the user chose on node's command line (or the semi-space size in NODE_OPTIONS,
+// which refuses the other) is kept, and a Node that cannot (process.execve: Node 22.15+, not on
+// Windows) runs with its own defaults.
 const DEFAULTS = ['--max-semi-space-size=8', '--heap-growing-percent=100'];
-const given = [...process.execArgv, ...(process.env.NODE_OPTIONS ?? '').split(/\s+/)];
-const missing = DEFAULTS.filter((flag) => {
-  const name = flag.slice(0, flag.indexOf('='));
-  return !given.some((option) => option === name || option.startsWith(`${name}=`));
-});
+// Node takes a V8 flag with underscores too, and NODE_OPTIONS may quote it: compare names as V8 does.
+const nameOf = (option) =>
+  option
+    .replace(/^["']|["']$/g, '')
+    .split('=')[0]
+    .replaceAll('_', '-');
+const given = [...process.execArgv, ...(process.env.NODE_OPTIONS ?? '').split(/\s+/)].map(nameOf);
+const missing = DEFAULTS.filter((flag) => !given.includes(nameOf(flag)));
 if (missing.length > 0 && typeof process.execve === 'function') {
   process.execve(process.execPath, [
     process.execPath,

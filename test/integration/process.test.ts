@@ -19,9 +19,10 @@ function commandLine(pid: number): string[] {
 }
 
 /** `dedup-bridge run` started with the given Node options; resolves once it forwards. */
-async function startRun(nodeOptions: string[], args: string[]) {
+async function startRun(nodeOptions: string[], args: string[], env: NodeJS.ProcessEnv = process.env) {
   const child: ChildProcess = spawn(process.execPath, [...nodeOptions, CLI, ...args], {
     stdio: ['ignore', 'pipe', 'pipe'],
+    env,
   });
   let output = '';
   child.stdout?.on('data', (chunk: Buffer) => {
@@ -95,5 +96,16 @@ describe('the CLI process', () => {
     expect(bothLine.filter((arg) => arg.startsWith('--max-semi-space-size'))).toEqual([
       '--max-semi-space-size=2',
     ]);
+
+    // In NODE_OPTIONS, spelled with underscores as V8 also takes it: still the user's.
+    const fromEnv = await startRun([], runArgs(source, ['--target-queue', target]), {
+      ...process.env,
+      NODE_OPTIONS: '--max_semi_space_size=4',
+    });
+    const envLine = commandLine(fromEnv.pid);
+    fromEnv.stop();
+    expect(await fromEnv.done).toBe(0);
+    expect(envLine.filter((arg) => /^--max[-_]semi/.test(arg))).toEqual([]);
+    expect(envLine).toContain('--heap-growing-percent=100');
   });
 });
