@@ -19,6 +19,8 @@ const option = (name: string, fallback: string) => {
 };
 const ROUNDS = Number(option('--rounds', '3'));
 const MESSAGES = Number(option('--messages', '50000'));
+// The peak RSS run's volume: memory grows with the messages moved, so it may need more than the rounds.
+const RSS_MESSAGES = Number(option('--rss-messages', '100000'));
 const JSON_PATH = option('--json', '');
 const QUICK = args.includes('--quick');
 const MEMORY_IDS = QUICK ? 20_000 : 200_000;
@@ -167,7 +169,9 @@ async function main(): Promise<void> {
           `(script calls), ${figures.redisCommandsPerMessage.executed.toFixed(2)} executed by Redis (inside the scripts)`,
       );
       say(`Redis memory per committed ID: ${figures.redisBytesPerId.toFixed(1)} B (over ${MEMORY_IDS} IDs)`);
-      say(`bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch)`);
+      say(
+        `bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch, ${QUICK ? MESSAGES : RSS_MESSAGES} messages)`,
+      );
       const { latency: bridgeLatency, shovelLatency, loopLatency, parallel } = figures;
       say(
         `latency at 1,000 msg/s, published → delivered: bridge p50 ${bridgeLatency.p50.toFixed(1)} ms, p99 ${bridgeLatency.p99.toFixed(1)} ms; ` +
@@ -607,7 +611,12 @@ function bridgeArgs(
 
 async function peakRss(source: RabbitNode, target: RabbitNode, redisServer: RedisServer): Promise<number> {
   const queue = await queues(source.url, target.url);
-  const sent = await preload(source.url, queue.sourceQueue, PROFILES[0] as Profile, MESSAGES);
+  const sent = await preload(
+    source.url,
+    queue.sourceQueue,
+    PROFILES[0] as Profile,
+    QUICK ? MESSAGES : RSS_MESSAGES,
+  );
   // The default prefetch, as a user runs it.
   const mover = spawn(
     process.execPath,
