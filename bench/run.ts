@@ -19,10 +19,10 @@ const option = (name: string, fallback: string) => {
 };
 const ROUNDS = Number(option('--rounds', '3'));
 const MESSAGES = Number(option('--messages', '50000'));
-// The peak RSS run's volume: memory grows with the messages moved, so it may need more than the rounds.
-const RSS_MESSAGES = Number(option('--rss-messages', '100000'));
 const JSON_PATH = option('--json', '');
 const QUICK = args.includes('--quick');
+// The peak RSS run's volume: memory grows with the messages moved, so it may need more than the rounds.
+const RSS_MESSAGES = QUICK ? MESSAGES : Number(option('--rss-messages', '100000'));
 const MEMORY_IDS = QUICK ? 20_000 : 200_000;
 const CACHE_IDS = QUICK ? 100_000 : 1_000_000;
 const PREFETCH = 1000;
@@ -170,7 +170,7 @@ async function main(): Promise<void> {
       );
       say(`Redis memory per committed ID: ${figures.redisBytesPerId.toFixed(1)} B (over ${MEMORY_IDS} IDs)`);
       say(
-        `bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch, ${QUICK ? MESSAGES : RSS_MESSAGES} messages)`,
+        `bridge peak RSS: ${figures.peakRssMiB.toFixed(1)} MiB (default prefetch, ${RSS_MESSAGES} messages)`,
       );
       const { latency: bridgeLatency, shovelLatency, loopLatency, parallel } = figures;
       say(
@@ -611,12 +611,7 @@ function bridgeArgs(
 
 async function peakRss(source: RabbitNode, target: RabbitNode, redisServer: RedisServer): Promise<number> {
   const queue = await queues(source.url, target.url);
-  const sent = await preload(
-    source.url,
-    queue.sourceQueue,
-    PROFILES[0] as Profile,
-    QUICK ? MESSAGES : RSS_MESSAGES,
-  );
+  const sent = await preload(source.url, queue.sourceQueue, PROFILES[0] as Profile, RSS_MESSAGES);
   // The default prefetch, as a user runs it.
   const mover = spawn(
     process.execPath,

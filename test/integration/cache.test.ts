@@ -100,6 +100,24 @@ describe('the Redis cache scripts (real Redis)', () => {
     expect(await stateOf(mine, c)).toBe('committed');
   });
 
+  it('commits a batch of thousands in one call, and an ID named twice in it once', async () => {
+    const scope = uniqueName('scope');
+    const mine = await pinnedCacheOf(scope, 'mine');
+    const theirs = await pinnedCacheOf(scope, 'theirs');
+    const keys = Array.from({ length: 5000 }, (_, i) => mine.keyOf(`many-${i}`));
+    expect(new Set(await mine.claim(keys))).toEqual(new Set(['new']));
+    const results = await mine.commit(keys);
+    expect(results.filter((r) => r === 'committed')).toHaveLength(5000);
+    expect(await redis.exists(...keys)).toBe(0);
+    expect(new Set(await theirs.claim(keys))).toEqual(new Set(['dup']));
+    // The second time an ID comes in the same commit, its claim is already gone: it is reported
+    // as already committed, and recorded once.
+    const [a, b] = [mine.keyOf('twice-a'), mine.keyOf('twice-b')];
+    await mine.claim([a, b]);
+    expect(await mine.commit([a, b, a])).toEqual(['committed', 'committed', 'already']);
+    expect(await theirs.claim([a, b])).toEqual(['dup', 'dup']);
+  });
+
   it('a release that keeps the doubt makes the next claim, by anyone, in-doubt', async () => {
     const scope = uniqueName('scope');
     const mine = await cacheOf(scope, 'mine');

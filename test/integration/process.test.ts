@@ -37,6 +37,15 @@ async function startRun(nodeOptions: string[], args: string[], env: NodeJS.Proce
   return { pid: child.pid as number, output: () => output, stop: () => child.kill('SIGTERM'), done };
 }
 
+/** The command line a `run` started this way ends up with, after it stopped cleanly on SIGTERM. */
+async function settledCommandLine(nodeOptions: string[], args: string[], env?: NodeJS.ProcessEnv) {
+  const bridge = await startRun(nodeOptions, args, env);
+  const line = commandLine(bridge.pid);
+  bridge.stop();
+  expect(await bridge.done).toBe(0);
+  return line;
+}
+
 describe('the CLI process', () => {
   it('runs with 8 MiB semi-spaces and a heap growing by 100%, as the same process (its pid, its signals), and forwards', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
@@ -71,10 +80,10 @@ describe('the CLI process', () => {
 
   it('keeps the memory settings the user chose, and adds only the others', async () => {
     const { source, target } = await queuePair();
-    const bridge = await startRun(['--max-semi-space-size=4'], runArgs(source, ['--target-queue', target]));
-    const line = commandLine(bridge.pid);
-    bridge.stop();
-    expect(await bridge.done).toBe(0);
+    const line = await settledCommandLine(
+      ['--max-semi-space-size=4'],
+      runArgs(source, ['--target-queue', target]),
+    );
     expect(line.filter((arg) => arg.startsWith('--max-semi-space-size'))).toEqual([
       '--max-semi-space-size=4',
     ]);
@@ -82,13 +91,10 @@ describe('the CLI process', () => {
       '--heap-growing-percent=100',
     ]);
 
-    const both = await startRun(
+    const bothLine = await settledCommandLine(
       ['--heap-growing-percent=50', '--max-semi-space-size=2'],
       runArgs(source, ['--target-queue', target]),
     );
-    const bothLine = commandLine(both.pid);
-    both.stop();
-    expect(await both.done).toBe(0);
     // Nothing to add: the process runs with the user's settings alone.
     expect(bothLine.filter((arg) => arg.startsWith('--heap-growing-percent'))).toEqual([
       '--heap-growing-percent=50',
@@ -98,13 +104,10 @@ describe('the CLI process', () => {
     ]);
 
     // In NODE_OPTIONS, spelled with underscores as V8 also takes it: still the user's.
-    const fromEnv = await startRun([], runArgs(source, ['--target-queue', target]), {
+    const envLine = await settledCommandLine([], runArgs(source, ['--target-queue', target]), {
       ...process.env,
       NODE_OPTIONS: '--max_semi_space_size=4',
     });
-    const envLine = commandLine(fromEnv.pid);
-    fromEnv.stop();
-    expect(await fromEnv.done).toBe(0);
     expect(envLine.filter((arg) => /^--max[-_]semi/.test(arg))).toEqual([]);
     expect(envLine).toContain('--heap-growing-percent=100');
   });
