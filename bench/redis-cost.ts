@@ -1,8 +1,11 @@
-// npm run bench:redis-cost [-- IDS]: the instructions Redis executes per ID to claim and commit,
-// counted by valgrind's callgrind. Unlike CPU time, the count does not move with the machine's load
-// or speed, so two builds of the scripts compare to the percent (run it on each). Needs valgrind
-// (apt-get install valgrind); starts its own Redis under it on a free port, and stops it after.
+// npm run bench:redis-cost [-- IDS] [--design fields]: the instructions Redis executes per ID to
+// claim and commit, counted by valgrind's callgrind. Unlike CPU time, the count does not move with
+// the machine's load or speed, so two builds of the scripts compare to the percent (run it on each).
+// --design fields measures the claim record of bench/claims-as-fields/ (a field of the bucket hash
+// instead of a key of its own) on the same IDs and clock. Needs valgrind (apt-get install
+// valgrind); starts its own Redis under it on a free port, and stops it after.
 import { execFileSync, spawn } from 'node:child_process';
+import { hash } from 'node:crypto';
 import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
@@ -10,7 +13,13 @@ import { join } from 'node:path';
 import { Redis } from 'ioredis';
 import { DedupCache } from '../src/dedup/cache.js';
 
-const IDS = Number(process.argv[2] ?? 10_000);
+const args = process.argv.slice(2);
+const design = args.includes('--design') ? args[args.indexOf('--design') + 1] : 'keys';
+if (design !== 'keys' && design !== 'fields') {
+  process.stdout.write(`redis-cost: --design is keys (the shipped scripts) or fields, not ${design}\n`);
+  process.exit(2);
+}
+const IDS = Number(args.find((arg) => /^\d+$/.test(arg)) ?? 10_000);
 const BATCH = 200;
 const say = (text: string) => process.stdout.write(`${text}\n`);
 
@@ -62,6 +71,59 @@ function dumped(before: Set<string>): number {
   throw new Error('callgrind wrote no dump');
 }
 
+/**
+ * The claim and commit of bench/claims-as-fields/, called as the cache calls its own: the shard's
+ * meta and layout keys, the same arguments less the claim keys (the claim key names the ID here).
+ */
+function fieldsDesign(redis: Redis, cache: DedupCache, clock: () => number, expected: number) {
+  const read = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
+  const shared = `${read('../src/dedup/lua/committed.lua')}\n${read('claims-as-fields/records.lua')}\n`;
+  redis.defineCommand('fieldsClaim', { lua: shared + read('claims-as-fields/claim.lua') });
+  redis.defineCommand('fieldsCommit', { lua: shared + read('claims-as-fields/commit.lua') });
+  const run = redis as unknown as Record<string, (...args: unknown[]) => Promise<number[]>>;
+  const [base] = cache.bases();
+  const layout = `v1 shards=1 slice=${cache.layout.sliceMs}`;
+  const packed = (batch: readonly string[]) =>
+    Buffer.concat(
+      batch.map((key) =>
+        Buffer.from(hash('sha1', key.slice(key.indexOf(':c:') + 3), 'buffer').subarray(0, 16)),
+      ),
+    );
+  const claimStates = ['new', 'dup', 'busy', 'in-doubt'];
+  const commitResults = ['', 'committed', 'already', 'taken', 'restored'];
+  return {
+    claim: async (batch: readonly string[]) =>
+      (
+        await run.fieldsClaim?.(
+          2,
+          `${base}:m`,
+          `${base}:layout`,
+          'redis-cost-owner',
+          30_000,
+          3_600_000,
+          layout,
+          packed(batch),
+          clock(),
+          expected,
+        )
+      )?.map((code) => claimStates[code]) ?? [],
+    commit: async (batch: readonly string[]) =>
+      (
+        await run.fieldsCommit?.(
+          2,
+          `${base}:m`,
+          `${base}:layout`,
+          'redis-cost-owner',
+          3_600_000,
+          layout,
+          packed(batch),
+          expected,
+          clock(),
+        )
+      )?.map((code) => commitResults[code]) ?? [],
+  };
+}
+
 let redis: Redis | undefined;
 try {
   // Redis under valgrind takes seconds to listen.
@@ -91,25 +153,28 @@ try {
   cache.expectedIds = IDS;
   const keys = Array.from({ length: IDS }, (_, i) => cache.keyOf(`id-${i}`));
   const claims = Array.from({ length: IDS / BATCH }, (_, i) => keys.slice(i * BATCH, (i + 1) * BATCH));
+  const { claim, commit } = design === 'keys' ? cache : fieldsDesign(redis, cache, () => now, IDS);
   const before = () => new Set(readdirSync(dir));
   let claimed = 0;
   let committed = 0;
   for (const batch of claims) {
     let seen = before();
     control('-z');
-    const states = await cache.claim(batch);
+    const states = await claim.call(cache, batch);
     claimed += dumped(seen);
     if (states.some((state) => state !== 'new'))
       throw new Error(`a new ID was not claimed: ${states.join(',')}`);
     seen = before();
     control('-z');
-    const results = await cache.commit(batch);
+    const results = await commit.call(cache, batch);
     committed += dumped(seen);
     if (results.some((result) => result !== 'committed'))
       throw new Error(`a claim did not commit: ${results.join(',')}`);
     now += 5;
   }
-  say(`redis-cost: ${IDS} IDs in batches of ${BATCH}, Redis instructions per ID (callgrind)`);
+  say(
+    `redis-cost: ${IDS} IDs in batches of ${BATCH}, ${design} design, Redis instructions per ID (callgrind)`,
+  );
   say(`  claim  ${Math.round(claimed / IDS)}`);
   say(`  commit ${Math.round(committed / IDS)}`);
   say(`  both   ${Math.round((claimed + committed) / IDS)}`);

@@ -146,8 +146,9 @@ local function extend(key, expire_at, now)
 end
 
 -- Opens the current slice for writing (creating it from the previous slice's size, or for the
--- `expected` IDs when there is none), returning a writer: add(field, h) records one ID, finish()
--- saves the meta and sets the expiries.
+-- `expected` IDs when there is none), returning a writer: add(field, h) records one ID (value, ''
+-- unless given: bench/claims-as-fields/ also records claims this way), finish() saves the meta and
+-- sets the expiries.
 local function slice_writer(meta, slices, slice_ms, window, now, expected)
   local current_slice = math.floor(now / slice_ms)
   local current, previous = nil, nil
@@ -172,7 +173,7 @@ local function slice_writer(meta, slices, slice_ms, window, now, expected)
   current.expire_at = math.max(current.expire_at, expire_at)
   local touched, changed = {}, false
   local writer = {}
-  function writer.add(field, h)
+  function writer.add(field, h, value)
     local b = current.buckets[#current.buckets]
     if current.n >= b * FILL then
       b = b * GROWTH
@@ -180,7 +181,7 @@ local function slice_writer(meta, slices, slice_ms, window, now, expected)
       current.n = 0
     end
     local key = bucket_key(meta, current, #current.buckets, h)
-    call('HSET', key, field, '')
+    call('HSET', key, field, value or '')
     touched[key] = true
     current.n = current.n + 1
     current.total = current.total + 1
