@@ -2,7 +2,8 @@
 // claim and commit, counted by valgrind's callgrind. Unlike CPU time, the count does not move with
 // the machine's load or speed, so two builds of the scripts compare to the percent (run it on each).
 // --design fields measures the claim record of bench/claims-as-fields/ (a field of the bucket hash
-// instead of a key of its own) on the same IDs and clock. Needs valgrind (apt-get install
+// instead of a key of its own) on the same IDs and clock; --clock-step <ms> moves the clock that
+// far after each batch (default 5; 72000 crosses four slices of the hour's window). Needs valgrind (apt-get install
 // valgrind); starts its own Redis under it on a free port, and stops it after.
 import { execFileSync, spawn } from 'node:child_process';
 import { hash } from 'node:crypto';
@@ -19,7 +20,8 @@ if (design !== 'keys' && design !== 'fields') {
   process.stdout.write(`redis-cost: --design is keys (the shipped scripts) or fields, not ${design}\n`);
   process.exit(2);
 }
-const IDS = Number(args.find((arg) => /^\d+$/.test(arg)) ?? 10_000);
+const STEP_MS = args.includes('--clock-step') ? Number(args[args.indexOf('--clock-step') + 1]) : 5;
+const IDS = Number(args.find((arg, i) => /^\d+$/.test(arg) && args[i - 1] !== '--clock-step') ?? 10_000);
 const BATCH = 200;
 const say = (text: string) => process.stdout.write(`${text}\n`);
 
@@ -170,10 +172,10 @@ try {
     committed += dumped(seen);
     if (results.some((result) => result !== 'committed'))
       throw new Error(`a claim did not commit: ${results.join(',')}`);
-    now += 5;
+    now += STEP_MS;
   }
   say(
-    `redis-cost: ${IDS} IDs in batches of ${BATCH}, ${design} design, Redis instructions per ID (callgrind)`,
+    `redis-cost: ${IDS} IDs in batches of ${BATCH}, ${design} design, clock step ${STEP_MS} ms, Redis instructions per ID (callgrind)`,
   );
   say(`  claim  ${Math.round(claimed / IDS)}`);
   say(`  commit ${Math.round(committed / IDS)}`);

@@ -9,6 +9,7 @@ local window = tonumber(ARGV[2])
 local slice_ms, wrong = slice_length(KEYS[2], ARGV[3], true)
 if not slice_ms then return redis.error_reply(wrong) end
 local slices, expired = read_slices(meta, slice_ms, window, now)
+newest_first(slices)
 local current_slice = math.floor(now / slice_ms)
 local writer = slice_writer(meta, slices, slice_ms, window, now, tonumber(ARGV[5]) or 0)
 local packed = ARGV[4]
