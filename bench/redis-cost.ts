@@ -3,8 +3,8 @@
 // the machine's load or speed, so two builds of the scripts compare to the percent (run it on each).
 // --design fields measures the claim record of bench/claims-as-fields/ (a field of the bucket hash
 // instead of a key of its own) on the same IDs and clock; --clock-step <ms> moves the clock that
-// far after each batch (default 5; 72000 crosses four slices of the hour's window). Needs valgrind (apt-get install
-// valgrind); starts its own Redis under it on a free port, and stops it after.
+// far after each batch (default 5; 72000 crosses four slices of the hour's window). Needs valgrind
+// (apt-get install valgrind); starts its own Redis under it on a free port, and stops it after.
 import { execFileSync, spawn } from 'node:child_process';
 import { hash } from 'node:crypto';
 import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
@@ -79,12 +79,29 @@ function dumped(before: Set<string>): number {
  */
 function fieldsDesign(redis: Redis, cache: DedupCache, clock: () => number, expected: number) {
   const read = (file: string) => readFileSync(new URL(file, import.meta.url), 'utf8');
-  const shared = `${read('../src/dedup/lua/committed.lua')}\n${read('claims-as-fields/records.lua')}\n`;
+  // The shipped writer with one line changed, so that the shipped scripts carry nothing for the
+  // sketch: it records a claim's value, and with HSETNX leaves a field already there and returns
+  // its bucket key.
+  const edits: [string, string][] = [
+    ['function writer.add(field, h)', 'function writer.add(field, h, value, command)'],
+    [
+      "call('HSET', key, field, '')",
+      "if call(command or 'HSET', key, field, value or '') == 0 and command then return key end",
+    ],
+  ];
+  let writer = read('../src/dedup/lua/committed.lua');
+  for (const [shipped, sketch] of edits) {
+    if (!writer.includes(shipped)) throw new Error(`committed.lua no longer has ${shipped}`);
+    writer = writer.replace(shipped, sketch);
+  }
+  const shared = `${writer}\n${read('claims-as-fields/records.lua')}\n`;
   redis.defineCommand('fieldsClaim', { lua: shared + read('claims-as-fields/claim.lua') });
   redis.defineCommand('fieldsCommit', { lua: shared + read('claims-as-fields/commit.lua') });
   const run = redis as unknown as Record<string, (...args: unknown[]) => Promise<number[]>>;
   const [base] = cache.bases();
   const layout = `v1 shards=1 slice=${cache.layout.sliceMs}`;
+  // Both scripts take the shard's meta and layout keys and the owner first, as the shipped ones do.
+  const head = [2, `${base}:m`, `${base}:layout`, 'redis-cost-owner'];
   const packed = (batch: readonly string[]) =>
     Buffer.concat(
       batch.map((key) =>
@@ -95,34 +112,13 @@ function fieldsDesign(redis: Redis, cache: DedupCache, clock: () => number, expe
   const commitResults = ['', 'committed', 'already', 'taken', 'restored'];
   return {
     claim: async (batch: readonly string[]) =>
-      (
-        await run.fieldsClaim?.(
-          2,
-          `${base}:m`,
-          `${base}:layout`,
-          'redis-cost-owner',
-          30_000,
-          3_600_000,
-          layout,
-          packed(batch),
-          clock(),
-          expected,
-        )
-      )?.map((code) => claimStates[code]) ?? [],
+      (await run.fieldsClaim?.(...head, 30_000, 3_600_000, layout, packed(batch), clock(), expected))?.map(
+        (code) => claimStates[code],
+      ) ?? [],
     commit: async (batch: readonly string[]) =>
-      (
-        await run.fieldsCommit?.(
-          2,
-          `${base}:m`,
-          `${base}:layout`,
-          'redis-cost-owner',
-          3_600_000,
-          layout,
-          packed(batch),
-          expected,
-          clock(),
-        )
-      )?.map((code) => commitResults[code]) ?? [],
+      (await run.fieldsCommit?.(...head, 3_600_000, layout, packed(batch), expected, clock()))?.map(
+        (code) => commitResults[code],
+      ) ?? [],
   };
 }
 

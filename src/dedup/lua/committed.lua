@@ -147,8 +147,7 @@ end
 
 -- Opens the current slice for writing (creating it from the previous slice's size, or for the
 -- `expected` IDs when there is none), returning a writer: add(field, h) records one ID, finish()
--- saves the meta and sets the expiries. (bench/claims-as-fields/ also records claims with it: a
--- value other than '', and HSETNX, which leaves a field already there and returns its bucket key.)
+-- saves the meta and sets the expiries.
 local function slice_writer(meta, slices, slice_ms, window, now, expected)
   local current_slice = math.floor(now / slice_ms)
   local current, previous = nil, nil
@@ -173,7 +172,7 @@ local function slice_writer(meta, slices, slice_ms, window, now, expected)
   current.expire_at = math.max(current.expire_at, expire_at)
   local touched, changed = {}, false
   local writer = {}
-  function writer.add(field, h, value, command)
+  function writer.add(field, h)
     local b = current.buckets[#current.buckets]
     if current.n >= b * FILL then
       b = b * GROWTH
@@ -181,7 +180,7 @@ local function slice_writer(meta, slices, slice_ms, window, now, expected)
       current.n = 0
     end
     local key = bucket_key(meta, current, #current.buckets, h)
-    if call(command or 'HSET', key, field, value or '') == 0 and command then return key end
+    call('HSET', key, field, '')
     touched[key] = true
     current.n = current.n + 1
     current.total = current.total + 1
