@@ -1,5 +1,6 @@
-// npm run bench: dedup-bridge against a hand-written amqplib loop and RabbitMQ's Shovel, side by
-// side on the same brokers in one run, alternating rounds; figures as ratios, never as pass/fail.
+// npm run bench: dedup-bridge against a hand-written amqplib loop, the least a deduplicating loop
+// does (bench/dedup-loop.ts) and RabbitMQ's Shovel, side by side on the same brokers in one run,
+// alternating rounds; figures as ratios, never as pass/fail.
 // Exits non-zero only when a run did not deliver every message exactly once.
 import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
 import { readFileSync, rmSync, writeFileSync } from 'node:fs';
@@ -36,7 +37,7 @@ function pinTo(pid: number, cpus: string): void {
   if (result.status !== 0) throw new Error(`taskset failed for pid ${pid}: ${result.stderr.trim()}`);
 }
 
-type System = 'dedup-bridge' | 'amqplib loop' | 'Shovel';
+type System = 'dedup-bridge' | 'dedup floor' | 'amqplib loop' | 'Shovel';
 interface Profile {
   name: string;
   size: number;
@@ -77,7 +78,7 @@ async function main(): Promise<void> {
   const redis = new Redis(redisServer.url);
   try {
     const results: Record<string, Record<System, number[]>> = {};
-    const systems: System[] = ['dedup-bridge', 'amqplib loop', 'Shovel'];
+    const systems: System[] = ['dedup-bridge', 'dedup floor', 'amqplib loop', 'Shovel'];
     // One untimed round each first: in two runs of three, the run's first transfer (the bridge's,
     // first in the order) was 20-30% slower than its later rounds.
     const warmUp = PROFILES[0] as Profile;
@@ -88,7 +89,7 @@ async function main(): Promise<void> {
     // --headline: only the 1 KiB persistent profile (the other three take most of a full run).
     const sizes = QUICK || args.includes('--headline') ? PROFILES.slice(0, 1) : PROFILES;
     for (const profile of sizes) {
-      results[profile.name] = { 'dedup-bridge': [], 'amqplib loop': [], Shovel: [] };
+      results[profile.name] = { 'dedup-bridge': [], 'dedup floor': [], 'amqplib loop': [], Shovel: [] };
       const count = profile.size > 10_000 ? Math.min(MESSAGES, 5000) : MESSAGES;
       for (let round = 1; round <= ROUNDS; round++) {
         // Each round starts with the next system, so that none always runs first or last.
@@ -118,25 +119,30 @@ async function main(): Promise<void> {
 
     const table = Object.entries(results).map(([profile, bySystem]) => {
       const bridge = median(bySystem['dedup-bridge']);
+      const floor = median(bySystem['dedup floor']);
       const loop = median(bySystem['amqplib loop']);
       const shovel = median(bySystem.Shovel);
       return {
         profile,
         bridge,
+        floor,
         loop,
         shovel,
         bridgeOverShovel: bridge / shovel,
         bridgeOverLoop: bridge / loop,
+        bridgeOverFloor: bridge / floor,
       };
     });
     say(
       `\nbench: medians of ${ROUNDS} alternating rounds, ${MESSAGES} messages (5,000 at 64 KiB), prefetch ${PREFETCH}`,
     );
-    say('| profile | dedup-bridge | amqplib loop | Shovel | bridge/Shovel | bridge/loop |');
-    say('|---|---|---|---|---|---|');
+    say(
+      '| profile | dedup-bridge | dedup floor | amqplib loop | Shovel | bridge/Shovel | bridge/loop | bridge/floor |',
+    );
+    say('|---|---|---|---|---|---|---|---|');
     for (const row of table) {
       say(
-        `| ${row.profile} | ${Math.round(row.bridge)} | ${Math.round(row.loop)} | ${Math.round(row.shovel)} | ${row.bridgeOverShovel.toFixed(2)}× | ${row.bridgeOverLoop.toFixed(2)}× |`,
+        `| ${row.profile} | ${Math.round(row.bridge)} | ${Math.round(row.floor)} | ${Math.round(row.loop)} | ${Math.round(row.shovel)} | ${row.bridgeOverShovel.toFixed(2)}× | ${row.bridgeOverLoop.toFixed(2)}× | ${row.bridgeOverFloor.toFixed(2)}× |`,
       );
     }
     say('\nCPU ms per 1,000 messages over the transfer (medians; Shovel runs inside the source broker)');
@@ -416,19 +422,21 @@ function startMover(
       { stdio: 'ignore' },
     );
   }
-  if (system === 'amqplib loop') {
+  if (system === 'amqplib loop' || system === 'dedup floor') {
+    const script = system === 'amqplib loop' ? 'loop.ts' : 'dedup-loop.ts';
     return spawn(
       process.execPath,
       [
         '--import',
         'tsx',
-        `${ROOT}bench/loop.ts`,
+        `${ROOT}bench/${script}`,
         sourceUrl,
         queue.sourceQueue,
         targetUrl,
         queue.targetQueue,
         String(PREFETCH),
         String(count),
+        ...(system === 'dedup floor' ? [redisUrl] : []),
       ],
       { stdio: 'ignore', cwd: ROOT },
     );
@@ -482,7 +490,7 @@ async function measure(
 ): Promise<number> {
   const queue = await queues(source.url, target.url);
   const sent = await preload(source.url, queue.sourceQueue, profile, count);
-  const deduplicates = system === 'dedup-bridge';
+  const deduplicates = system === 'dedup-bridge' || system === 'dedup floor';
   const expected = deduplicates ? sent.size : count;
   const mover = startMover(system, source.url, target.url, redis.url, queue, count, source, scope);
   const pids = {
