@@ -205,7 +205,7 @@ function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Bu
     return bytes;
   };
   if (decoded.id === BASIC_DELIVER) {
-    shortstr(); // consumer tag
+    p += 1 + (payload[p] as number); // consumer tag, not kept
     p += 9; // delivery tag, redelivered
   } else if (decoded.id === BASIC_GET_OK) {
     p += 9;

@@ -44,6 +44,10 @@ function flagOf(index: number): number {
   return 0x8000 >> index;
 }
 
+const PROPERTY_KINDS = BASIC_PROPERTIES.map(([, kind]) => kind);
+// Every property absent: a header's spans start as a copy of this (one array of its final size).
+const NO_SPANS: readonly number[] = PROPERTY_KINDS.flatMap(() => [-1, -1]);
+
 /** Where a message's raw content header lives on its amqplib properties object. */
 export const RAW_HEADER = Symbol.for('dedup-bridge.content-header');
 
@@ -52,8 +56,11 @@ export class ContentHeaderError extends Error {}
 
 export class ContentHeader {
   readonly flags: number;
-  /** Per property (wire order): its bytes [start, end) in `bytes`, or undefined when absent. */
-  private readonly at: ([number, number] | undefined)[] = [];
+  /**
+   * Per property (wire order): its bytes [start, end) in `bytes`, at 2 × index and the next; -1
+   * when absent. Flat numbers: a delivery's header is read on the hot path, with no pair per field.
+   */
+  private readonly spans = NO_SPANS.slice();
   /** The header table's top-level fields (undefined when there is no table, or it is unreadable). */
   readonly fields: FieldSpan[] | undefined;
   /** Why the header table cannot be read (nested too deep, an unknown type), if it cannot. */
@@ -67,30 +74,30 @@ export class ContentHeader {
       throw new ContentHeaderError('content header flags continue past the fourteen basic properties');
     }
     let p = 2;
-    BASIC_PROPERTIES.forEach(([, kind], index) => {
-      if (!(this.flags & flagOf(index))) {
-        this.at.push(undefined);
-        return;
-      }
+    for (let index = 0; index < PROPERTY_KINDS.length; index++) {
+      if (!(this.flags & flagOf(index))) continue;
       const start = p;
+      const kind = PROPERTY_KINDS[index];
       if (kind === 'shortstr') p += 1 + (bytes[p] ?? 0);
       else if (kind === 'octet') p += 1;
       else if (kind === 'longlong') p += 8;
       else p += 4 + (p + 4 <= bytes.length ? bytes.readUInt32BE(p) : 0);
       if (p > bytes.length)
         throw new ContentHeaderError(`content header truncated in its ${BASIC_PROPERTIES[index]?.[0]}`);
-      this.at.push([start, p]);
-    });
-    const table = this.at[HEADERS];
-    if (table) {
+      this.spans[2 * index] = start;
+      this.spans[2 * index + 1] = p;
+    }
+    const tableStart = this.startOf(HEADERS);
+    if (tableStart >= 0) {
+      const tableEnd = this.endOf(HEADERS);
       try {
-        this.fields = indexTable(bytes, table[0] + 4, table[1]);
+        this.fields = indexTable(bytes, tableStart + 4, tableEnd);
       } catch (error) {
         if (!(error instanceof FieldTableError)) throw error;
         this.tableError = `header table: ${error.message}`;
         // Its top level may still be whole: then fields can be found, removed and added there.
         try {
-          this.fields = indexTable(bytes, table[0] + 4, table[1], false);
+          this.fields = indexTable(bytes, tableStart + 4, tableEnd, false);
         } catch (shallow) {
           if (!(shallow instanceof FieldTableError)) throw shallow;
         }
@@ -99,7 +106,16 @@ export class ContentHeader {
   }
 
   has(property: PropertyName): boolean {
-    return this.at[indexOf(property)] !== undefined;
+    return this.startOf(indexOf(property)) >= 0;
+  }
+
+  /** Where a property's bytes start (-1: absent), and where they end. */
+  private startOf(index: number): number {
+    return this.spans[2 * index] as number;
+  }
+
+  private endOf(index: number): number {
+    return this.spans[2 * index + 1] as number;
   }
 
   /** The raw bytes of a shortstr property (without its length), or undefined when absent. */
@@ -116,8 +132,8 @@ export class ContentHeader {
   }
 
   private shortstrAt(index: number): Buffer | undefined {
-    const span = this.at[index];
-    return span ? this.bytes.subarray(span[0] + 1, span[1]) : undefined;
+    const start = this.startOf(index);
+    return start >= 0 ? this.bytes.subarray(start + 1, this.endOf(index)) : undefined;
   }
 
   /** The last top-level header field of this name (as most clients read a repeated name). */
@@ -149,7 +165,7 @@ export class ContentHeader {
     const out: Record<string, unknown> = {};
     if (this.flags === 0) return out as unknown as MessageProperties;
     BASIC_PROPERTIES.forEach(([name, kind], index) => {
-      if (kind !== 'table' || !this.at[index]) {
+      if (kind !== 'table' || this.startOf(index) < 0) {
         out[name] = this.propertyAt(index);
         return;
       }
@@ -176,10 +192,10 @@ export class ContentHeader {
 
   /** One property as amqplib decodes it (undefined when absent). */
   propertyAt(index: number): unknown {
-    const span = this.at[index];
-    if (!span) return undefined;
-    const [start, end] = span;
-    const kind = BASIC_PROPERTIES[index]?.[1];
+    const start = this.startOf(index);
+    if (start < 0) return undefined;
+    const end = this.endOf(index);
+    const kind = PROPERTY_KINDS[index];
     if (kind === 'shortstr') return this.bytes.toString('utf8', start + 1, end);
     if (kind === 'octet') return this.bytes[start];
     if (kind === 'longlong') return Number(this.bytes.readBigUInt64BE(start));
@@ -207,47 +223,59 @@ export class ContentHeader {
    * whole (nothing can be removed from it; appending is still exact).
    */
   splice(edit: { remove: readonly string[]; append: readonly Buffer[]; dropUserId: boolean }): Buffer {
-    const table = this.at[HEADERS];
-    // The table body's bytes that stay, as runs between removed fields (fields lie back to back).
-    const kept: [number, number][] = [];
+    const tableStart = this.startOf(HEADERS);
+    const fields = tableStart >= 0 ? this.fields : undefined;
+    // The table body's bytes that stay: all but the removed fields (fields lie back to back).
+    let body = tableStart >= 0 ? this.endOf(HEADERS) - tableStart - 4 : 0;
     let removed = 0;
-    if (table) {
-      let run = table[0] + 4;
-      for (const span of this.fields ?? []) {
+    if (fields) {
+      for (let i = 0; i < fields.length; i++) {
+        const span = fields[i] as FieldSpan;
         if (!edit.remove.includes(span.name)) continue;
-        if (span.start > run) kept.push([run, span.start]);
-        run = span.end;
+        body -= span.end - span.start;
         removed++;
       }
-      if (table[1] > run) kept.push([run, table[1]]);
     }
-    const dropUser = edit.dropUserId && this.at[USER_ID] !== undefined;
+    const dropUser = edit.dropUserId && this.startOf(USER_ID) >= 0;
     if (removed === 0 && edit.append.length === 0 && !dropUser) return this.bytes;
     let flags = this.flags;
     if (dropUser) flags &= ~flagOf(USER_ID);
-    const hasTable = table !== undefined || edit.append.length > 0;
+    const hasTable = tableStart >= 0 || edit.append.length > 0;
     if (hasTable) flags |= flagOf(HEADERS);
-    let body = 0;
-    for (const [from, to] of kept) body += to - from;
-    for (const field of edit.append) body += field.length;
+    for (let i = 0; i < edit.append.length; i++) body += (edit.append[i] as Buffer).length;
     let size = 2 + (hasTable ? 4 + body : 0);
-    this.at.forEach((span, index) => {
-      if (span && index !== HEADERS && !(index === USER_ID && dropUser)) size += span[1] - span[0];
-    });
+    for (let index = 0; index < PROPERTY_KINDS.length; index++) {
+      const start = this.startOf(index);
+      if (start >= 0 && index !== HEADERS && !(index === USER_ID && dropUser))
+        size += this.endOf(index) - start;
+    }
     // Written once into a buffer of its size (no list of parts to concatenate).
     const out = Buffer.allocUnsafe(size);
+    const bytes = this.bytes;
     let p = out.writeUInt16BE(flags, 0);
-    for (let index = 0; index < BASIC_PROPERTIES.length; index++) {
-      const span = this.at[index];
+    for (let index = 0; index < PROPERTY_KINDS.length; index++) {
+      const start = this.startOf(index);
       if (index === HEADERS) {
         if (!hasTable) continue;
         p = out.writeUInt32BE(body, p);
-        for (const [from, to] of kept) p += this.bytes.copy(out, p, from, to);
-        for (const field of edit.append) p += field.copy(out, p);
+        if (start >= 0) {
+          // The runs between removed fields, in order.
+          let run = start + 4;
+          if (fields && removed > 0) {
+            for (let i = 0; i < fields.length; i++) {
+              const span = fields[i] as FieldSpan;
+              if (!edit.remove.includes(span.name)) continue;
+              p += bytes.copy(out, p, run, span.start);
+              run = span.end;
+            }
+          }
+          p += bytes.copy(out, p, run, this.endOf(HEADERS));
+        }
+        for (let i = 0; i < edit.append.length; i++) p += (edit.append[i] as Buffer).copy(out, p);
         continue;
       }
-      if (!span || (index === USER_ID && dropUser)) continue;
-      p += this.bytes.copy(out, p, span[0], span[1]);
+      if (start < 0 || (index === USER_ID && dropUser)) continue;
+      p += bytes.copy(out, p, start, this.endOf(index));
     }
     return out;
   }

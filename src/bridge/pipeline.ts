@@ -17,6 +17,10 @@ import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
 
 const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value: true }));
+// The header fields a forwarded copy gets anew (see outgoing), and `_HQ_DUPL_ID` too when the
+// bridge sets it: made once, not per message.
+const REPLACED: readonly string[] = [IN_DOUBT_HEADER, SOURCE_USER_HEADER, ROUTE_HEADER];
+const REPLACED_WITH_ID: readonly string[] = [...REPLACED, DUPLICATE_ID_HEADER];
 
 export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
@@ -626,12 +630,9 @@ export class Pipeline {
     const header = entry.header as ContentHeader;
     // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
     // with the message is dropped, and set only from a user_id the source broker vouched for.
-    const remove = [IN_DOUBT_HEADER, SOURCE_USER_HEADER];
+    const remove = entry.idField ? REPLACED_WITH_ID : REPLACED;
     const append: Buffer[] = [];
-    if (entry.idField) {
-      remove.push(DUPLICATE_ID_HEADER);
-      append.push(entry.idField);
-    }
+    if (entry.idField) append.push(entry.idField);
     const userId = header.userIdBytes;
     const foreignUser = userId !== undefined && userId.toString('utf8') !== this.settings.targetUser;
     if (foreignUser) {
@@ -640,7 +641,6 @@ export class Pipeline {
     }
     if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
     // The routes it went through, this one last, so that a loop back here is seen.
-    remove.push(ROUTE_HEADER);
     append.push(this.routeField(header));
     const bytes = header.splice({ remove, append, dropUserId: foreignUser });
     // The message's own routing key as the broker sent it (amqplib's text form may have lost bytes).
