@@ -27,6 +27,10 @@ const RSS_MESSAGES = QUICK ? MESSAGES : Number(option('--rss-messages', '100000'
 const MEMORY_IDS = QUICK ? 20_000 : 200_000;
 const CACHE_IDS = QUICK ? 100_000 : 1_000_000;
 const PREFETCH = 1000;
+// A mover process starts cold: V8 compiles its per-message code while the first messages go
+// through, for the bridge over about its first 20,000 (Shovel runs in a broker long up). So each
+// round is also measured from the arrival that brings the target to this share of it on.
+const STEADY_FROM = Number(option('--steady-from', '0.5'));
 const PIN = args.includes('--pin-brokers');
 // --bridge-args '--batch-size 50': extra options for the bridge's throughput rounds (tuning runs).
 const BRIDGE_ARGS = option('--bridge-args', '').split(' ').filter(Boolean);
@@ -78,6 +82,7 @@ async function main(): Promise<void> {
   const redis = new Redis(redisServer.url);
   try {
     const results: Record<string, Record<System, number[]>> = {};
+    const steadyResults: Record<string, Record<System, number[]>> = {};
     const systems: System[] = ['dedup-bridge', 'dedup floor', 'amqplib loop', 'Shovel'];
     // One untimed round each first: in two runs of three, the run's first transfer (the bridge's,
     // first in the order) was 20-30% slower than its later rounds.
@@ -86,23 +91,30 @@ async function main(): Promise<void> {
       await measure(system, warmUp, Math.min(MESSAGES, 2000), source, target, redisServer);
     }
     for (const key of Object.keys(cpuPerThousand)) delete cpuPerThousand[key];
+    for (const key of Object.keys(steadyCpuPerThousand)) delete steadyCpuPerThousand[key];
     // --headline: only the 1 KiB persistent profile (the other three take most of a full run).
     const sizes = QUICK || args.includes('--headline') ? PROFILES.slice(0, 1) : PROFILES;
     for (const profile of sizes) {
       results[profile.name] = { 'dedup-bridge': [], 'dedup floor': [], 'amqplib loop': [], Shovel: [] };
+      steadyResults[profile.name] = { 'dedup-bridge': [], 'dedup floor': [], 'amqplib loop': [], Shovel: [] };
       const count = profile.size > 10_000 ? Math.min(MESSAGES, 5000) : MESSAGES;
       for (let round = 1; round <= ROUNDS; round++) {
         // Each round starts with the next system, so that none always runs first or last.
         const order = systems.map((_, index) => systems[(index + round - 1) % systems.length] as System);
         for (const system of order) {
           const rate = await measure(system, profile, count, source, target, redisServer);
+          const steady = lastSteadyRate;
           results[profile.name]?.[system].push(rate);
-          say(`  ${profile.name} · round ${round} · ${system}: ${Math.round(rate)} msg/s`);
+          steadyResults[profile.name]?.[system].push(steady);
+          say(
+            `  ${profile.name} · round ${round} · ${system}: ${Math.round(rate)} msg/s, steady ${Math.round(steady)} msg/s`,
+          );
         }
       }
     }
 
     const roundsCpu = structuredClone(cpuPerThousand);
+    const steadyCpu = structuredClone(steadyCpuPerThousand);
     // --rounds-only: the throughput rounds without the figures (for quick comparisons while tuning).
     const figures = args.includes('--rounds-only')
       ? undefined
@@ -117,51 +129,19 @@ async function main(): Promise<void> {
           fullCache: await fullCacheThroughput(source, target, redisServer, redis),
         };
 
-    const table = Object.entries(results).map(([profile, bySystem]) => {
-      const bridge = median(bySystem['dedup-bridge']);
-      const floor = median(bySystem['dedup floor']);
-      const loop = median(bySystem['amqplib loop']);
-      const shovel = median(bySystem.Shovel);
-      return {
-        profile,
-        bridge,
-        floor,
-        loop,
-        shovel,
-        bridgeOverShovel: bridge / shovel,
-        bridgeOverLoop: bridge / loop,
-        bridgeOverFloor: bridge / floor,
-      };
-    });
     say(
       `\nbench: medians of ${ROUNDS} alternating rounds, ${MESSAGES} messages (5,000 at 64 KiB), prefetch ${PREFETCH}`,
     );
-    say(
-      '| profile | dedup-bridge | dedup floor | amqplib loop | Shovel | bridge/Shovel | bridge/loop | bridge/floor |',
+    const table = rateTable('whole rounds, from the first arrival', results);
+    const steadyTable = rateTable(
+      `steady: from the arrival of ${Math.round(STEADY_FROM * 100)}% of each round on`,
+      steadyResults,
     );
-    say('|---|---|---|---|---|---|---|---|');
-    for (const row of table) {
-      say(
-        `| ${row.profile} | ${Math.round(row.bridge)} | ${Math.round(row.floor)} | ${Math.round(row.loop)} | ${Math.round(row.shovel)} | ${row.bridgeOverShovel.toFixed(2)}× | ${row.bridgeOverLoop.toFixed(2)}× | ${row.bridgeOverFloor.toFixed(2)}× |`,
-      );
-    }
-    say('\nCPU ms per 1,000 messages over the transfer (medians; Shovel runs inside the source broker)');
-    say('| run | mover | source broker | target broker | Redis | all |');
-    say('|---|---|---|---|---|---|');
-    const cpuTable = Object.entries(roundsCpu).map(([run, rounds]) => {
-      const row = Object.fromEntries(
-        (['mover', 'source broker', 'target broker', 'Redis'] as const).map((name) => [
-          name,
-          median(rounds.map((round) => round[name])),
-        ]),
-      ) as CpuUse;
-      return { run, ...row, all: row.mover + row['source broker'] + row['target broker'] + row.Redis };
-    });
-    for (const row of cpuTable) {
-      say(
-        `| ${row.run} | ${row.mover.toFixed(0)} | ${row['source broker'].toFixed(0)} | ${row['target broker'].toFixed(0)} | ${row.Redis.toFixed(0)} | ${row.all.toFixed(0)} |`,
-      );
-    }
+    const cpuTable = cpuUseTable('over the whole transfer', roundsCpu);
+    const steadyCpuTable = cpuUseTable(
+      `steady, from the arrival of ${Math.round(STEADY_FROM * 100)}% on`,
+      steadyCpu,
+    );
     say(
       `mover CPU after the last arrival (its last acks and commits, idle wait, closing; counted above), ms, median: ${Object.entries(
         tailCpuMs,
@@ -198,7 +178,7 @@ async function main(): Promise<void> {
     if (JSON_PATH) {
       writeFileSync(
         JSON_PATH,
-        `${JSON.stringify({ date: new Date().toISOString(), messages: MESSAGES, rounds: ROUNDS, table, raw: results, cpu: cpuTable, figures }, null, 2)}\n`,
+        `${JSON.stringify({ date: new Date().toISOString(), messages: MESSAGES, rounds: ROUNDS, steadyFrom: STEADY_FROM, table, steadyTable, raw: results, steadyRaw: steadyResults, cpu: cpuTable, steadyCpu: steadyCpuTable, figures }, null, 2)}\n`,
       );
     }
   } finally {
@@ -210,6 +190,59 @@ async function main(): Promise<void> {
     say(`bench: ${failures} run(s) did not deliver every message exactly once`);
     process.exit(1);
   }
+}
+
+/** Prints the medians of the rounds' rates per profile, with the ratios; returns them. */
+function rateTable(title: string, rates: Record<string, Record<System, number[]>>) {
+  const table = Object.entries(rates).map(([profile, bySystem]) => {
+    const bridge = median(bySystem['dedup-bridge']);
+    const floor = median(bySystem['dedup floor']);
+    const loop = median(bySystem['amqplib loop']);
+    const shovel = median(bySystem.Shovel);
+    return {
+      profile,
+      bridge,
+      floor,
+      loop,
+      shovel,
+      bridgeOverShovel: bridge / shovel,
+      bridgeOverLoop: bridge / loop,
+      bridgeOverFloor: bridge / floor,
+    };
+  });
+  say(`\nmsg/s, ${title}`);
+  say(
+    '| profile | dedup-bridge | dedup floor | amqplib loop | Shovel | bridge/Shovel | bridge/loop | bridge/floor |',
+  );
+  say('|---|---|---|---|---|---|---|---|');
+  for (const row of table) {
+    say(
+      `| ${row.profile} | ${Math.round(row.bridge)} | ${Math.round(row.floor)} | ${Math.round(row.loop)} | ${Math.round(row.shovel)} | ${row.bridgeOverShovel.toFixed(2)}× | ${row.bridgeOverLoop.toFixed(2)}× | ${row.bridgeOverFloor.toFixed(2)}× |`,
+    );
+  }
+  return table;
+}
+
+/** Prints the medians of the rounds' CPU per 1,000 messages, per process; returns them. */
+function cpuUseTable(title: string, rounds: Record<string, CpuUse[]>) {
+  say(`\nCPU ms per 1,000 messages, ${title} (medians; Shovel runs inside the source broker)`);
+  say('| run | mover | source broker | target broker | Redis | all |');
+  say('|---|---|---|---|---|---|');
+  const table = Object.entries(rounds).map(([run, uses]) => {
+    const row = Object.fromEntries(
+      (['mover', 'source broker', 'target broker', 'Redis'] as const).map((name) => [
+        name,
+        median(uses.map((use) => use[name])),
+      ]),
+    ) as CpuUse;
+    return { run, ...row, all: row.mover + row['source broker'] + row['target broker'] + row.Redis };
+  });
+  for (const row of table) {
+    say(
+      `| ${row.run} | ${row.mover.toFixed(0)} | ${row['source broker'].toFixed(0)} | ${row['target broker'].toFixed(0)} | ${row.Redis.toFixed(0)} | ${row.all.toFixed(0)} |`,
+    );
+  }
+  return table;
 }
 
 let queueSeq = 0;
@@ -288,22 +321,32 @@ function cpuMs(pid: number | undefined): number {
 
 type CpuUse = Record<'mover' | 'source broker' | 'target broker' | 'Redis', number>;
 
+/** Where the steady part of a round began: when, how many had arrived, and the CPU used by then. */
+interface SteadyMark {
+  at: number;
+  arrived: number;
+  cpu: CpuUse;
+}
+
 /**
- * Waits until the target holds `expected` messages; returns ms from the first to the last, and
- * the CPU ms each process had used at the first arrival (see moverDone for the end).
+ * Waits until the target holds `expected` messages; returns ms from the first to the last, the
+ * CPU ms each process had used at the first arrival (see moverDone for the end), and the same
+ * when the target first held `steadyFrom` or more.
  */
 async function timeArrivals(
   url: string,
   queue: string,
   expected: number,
+  steadyFrom: number,
   timeoutMs: number,
   pids: Record<keyof CpuUse, number | undefined>,
-): Promise<{ ms: number; start: CpuUse; last: CpuUse }> {
+): Promise<{ ms: number; start: CpuUse; last: CpuUse; steady: SteadyMark; end: number }> {
   const connection = await amqp.connect(url);
   const channel = await connection.createChannel();
   const deadline = Date.now() + timeoutMs;
   let first: number | undefined;
   let start = cpuSample(pids);
+  let steady: SteadyMark | undefined;
   try {
     for (;;) {
       const { messageCount } = await channel.checkQueue(queue);
@@ -312,7 +355,13 @@ async function timeArrivals(
         first = Date.now();
         start = now;
       }
-      if (messageCount >= expected) return { ms: Date.now() - (first ?? Date.now()), start, last: now };
+      if (messageCount >= steadyFrom && steady === undefined) {
+        steady = { at: Date.now(), arrived: messageCount, cpu: now };
+      }
+      if (messageCount >= expected) {
+        const end = Date.now();
+        return { ms: end - (first ?? end), start, last: now, steady: steady as SteadyMark, end };
+      }
       if (Date.now() > deadline) throw new Error(`timed out with ${messageCount}/${expected} on the target`);
       await sleep(20);
     }
@@ -477,6 +526,15 @@ const tailCpuMs: Record<string, number[]> = {};
 
 /** CPU ms per 1,000 messages by process, for each round of `<profile> · <system>`. */
 const cpuPerThousand: Record<string, CpuUse[]> = {};
+/** The same from the steady mark on (see STEADY_FROM), and the last round's steady rate. */
+const steadyCpuPerThousand: Record<string, CpuUse[]> = {};
+let lastSteadyRate = 0;
+
+function cpuPer1000(from: CpuUse, to: CpuUse, messages: number): CpuUse {
+  return Object.fromEntries(
+    Object.entries(to).map(([name, used]) => [name, ((used - from[name as keyof CpuUse]) / messages) * 1000]),
+  ) as CpuUse;
+}
 
 /** One round: preload, move, time the arrivals, verify; returns source messages per second. */
 async function measure(
@@ -499,7 +557,14 @@ async function measure(
     'target broker': target.pid(),
     Redis: redis.pid(),
   };
-  const { ms, start, last } = await timeArrivals(target.url, queue.targetQueue, expected, 300_000, pids);
+  const steadyFrom = Math.max(1, Math.ceil(expected * STEADY_FROM));
+  const {
+    ms,
+    start,
+    last,
+    steady,
+    end: lastArrival,
+  } = await timeArrivals(target.url, queue.targetQueue, expected, steadyFrom, 300_000, pids);
   const label = `${profile.name} ${system}`;
   if (typeof mover === 'string') {
     // Shovel acks each message once the target confirmed it: give its last acks time to land.
@@ -516,14 +581,13 @@ async function measure(
     tailCpuMs[key].push(end.mover - last.mover);
   }
   cpuPerThousand[key] ??= [];
-  cpuPerThousand[key].push(
-    Object.fromEntries(
-      Object.entries(end).map(([name, used]) => [
-        name,
-        ((used - start[name as keyof CpuUse]) / count) * 1000,
-      ]),
-    ) as CpuUse,
-  );
+  cpuPerThousand[key].push(cpuPer1000(start, end, count));
+  // The source messages moved in the steady part: its share of the arrivals (a deduplicating
+  // mover delivers fewer messages than it consumes when the profile resends IDs).
+  const steadyMessages = Math.max(1, ((expected - steady.arrived) / expected) * count);
+  lastSteadyRate = steadyMessages / (Math.max(lastArrival - steady.at, 1) / 1000);
+  steadyCpuPerThousand[key] ??= [];
+  steadyCpuPerThousand[key].push(cpuPer1000(steady.cpu, end, steadyMessages));
   await stopMover(mover, source);
   // Every system must leave nothing behind: a message still in the source (unacked at the exit,
   // so given back) would be delivered again by the next run.
