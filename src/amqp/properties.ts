@@ -193,7 +193,8 @@ export class ContentHeader {
   /** One property as amqplib decodes it (undefined when absent). */
   propertyAt(index: number): unknown {
     const start = this.startOf(index);
-    if (start < 0) return undefined;
+    // Not `start < 0`: an index past the fourteen reads undefined, which is no property either.
+    if (!(start >= 0)) return undefined;
     const end = this.endOf(index);
     const kind = PROPERTY_KINDS[index];
     if (kind === 'shortstr') return this.bytes.toString('utf8', start + 1, end);

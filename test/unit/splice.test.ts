@@ -236,6 +236,22 @@ describe('the properties of a delivered message', () => {
     expect(differ).toEqual([]);
   });
 
+  it('have nothing past the fourteen: an index out of range is no property, not the header misread', () => {
+    const source = basicProperties({
+      contentType: 'text/plain',
+      headers: table(field('k', longString('v'))),
+      appId: 'app',
+    });
+    const header = new ContentHeader(source);
+    for (const index of [-1, 14, 15, Number.NaN]) expect(header.propertyAt(index)).toBeUndefined();
+    expect(header.propertyAt(0)).toBe('text/plain');
+    // Only an expiration, whose bytes (flags included) also read as a field table: out of range
+    // must not decode them as one.
+    const tableLike = new ContentHeader(Buffer.from(`01007401006201${'0056'.repeat(56)}`, 'hex'));
+    expect(tableLike.propertyAt(7)).toBe(`\u0001\u0000b\u0001${'\u0000V'.repeat(56)}`);
+    for (const index of [-1, 14, 15, Number.NaN]) expect(tableLike.propertyAt(index)).toBeUndefined();
+  });
+
   it('are plain, spreadable values for an application', () => {
     const source = basicProperties({
       messageId: 'm-7',
