@@ -1,11 +1,11 @@
-// The least a deduplicating forwarder can do, as a floor for the bridge's own CPU: bench/loop.ts
-// plus the protocol's Redis work, through the bridge's own cache module and scripts (a claim call
-// per batch, at most two out; a commit call per group of confirmed batches, one out), `mandatory`
-// on each publish, and a copy whose ID is in flight waiting for that one's outcome. It leaves out
-// what the bridge does beyond that: the lossless content header (amqplib re-encodes it here), the
-// route mark, retries and backoff, lease renewal, reconnects, stops, limits, metrics and logs. A
-// refused publish is only requeued. So it is no usable bridge: it is what any implementation of
-// the protocol over amqplib costs at least.
+// A plain deduplicating forwarder, as a floor for the bridge's own CPU: bench/loop.ts plus the
+// protocol's Redis work, through the bridge's own cache module and scripts (a claim call per
+// batch, at most two out; a commit call for the confirms that came while the last one was out),
+// `mandatory` on each publish, and a copy whose ID is in flight waiting for that one's outcome. It
+// leaves out what the bridge does beyond that: the lossless content header (amqplib re-encodes it
+// here), the route mark, acks of a run at once, retries and backoff, lease renewal, reconnects,
+// stops, limits, metrics and logs. A refused publish is only requeued. So it is no usable bridge:
+// it is what the dedup work itself costs, written the plain way.
 // Usage: tsx bench/dedup-loop.ts <source url> <source queue> <target url> <target queue> <prefetch> <count> <redis url>
 import type { ConsumeMessage } from 'amqplib';
 import amqp from 'amqplib';

@@ -1,5 +1,5 @@
-// npm run bench: dedup-bridge against a hand-written amqplib loop, the least a deduplicating loop
-// does (bench/dedup-loop.ts) and RabbitMQ's Shovel, side by side on the same brokers in one run,
+// npm run bench: dedup-bridge against a hand-written amqplib loop, a plain deduplicating loop
+// (bench/dedup-loop.ts) and RabbitMQ's Shovel, side by side on the same brokers in one run,
 // alternating rounds; figures as ratios, never as pass/fail.
 // Exits non-zero only when a run did not deliver every message exactly once.
 import { type ChildProcess, spawn, spawnSync } from 'node:child_process';
@@ -719,7 +719,8 @@ async function latency(
 ) {
   const queue = await queues(source.url, target.url);
   const total = QUICK ? 3000 : 10_000;
-  const warmup = QUICK ? 1000 : 3000;
+  // As many as a new bridge process takes to settle (docs/performance.md, A process starts cold).
+  const warmup = QUICK ? 1000 : 20_000;
   let mover: ChildProcess | string;
   if (system === 'dedup-bridge') {
     mover = spawn(process.execPath, bridgeArgs('run', source, target, redisServer, queue), {
