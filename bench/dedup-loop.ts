@@ -36,6 +36,8 @@ const cache = await DedupCache.open(redis, {
   prefix: 'dedup',
   scope: `floor:${targetQueue}`,
 });
+// Sized for the backlog, as the bridge sizes a new scope's first slice (one generation to look in).
+cache.expectedIds = expected;
 const source = await amqp.connect(sourceUrl, { noDelay: true });
 const target = await amqp.connect(targetUrl, { noDelay: true });
 coalesceWrites(source);
@@ -54,8 +56,14 @@ let flushScheduled = false;
 let claimsOut = 0;
 let confirmed: Item[] = [];
 let committing = false;
+let commitScheduled = false;
+/** Keys of publishes the target returned unroutable: their confirm must not commit them. */
+const returned = new Set<string>();
 let done = 0;
 let paused: Promise<void> | undefined;
+publisher.on('return', (message) => {
+  returned.add(keyOf(message));
+});
 publisher.on('drain', () => {
   paused = undefined;
 });
@@ -64,8 +72,18 @@ await consumer.consume(sourceQueue, (message) => {
   if (message) take(message);
 });
 
+function keyOf(message: { properties: ConsumeMessage['properties'] }): string {
+  return cache.keyOf(keyOfValue(message.properties.headers?._HQ_DUPL_ID) as string);
+}
+
+/** A failed Redis call ends the run: the bench then counts a mover that did not finish. */
+function fail(error: unknown): never {
+  process.stderr.write(`dedup-loop: ${error instanceof Error ? error.message : String(error)}\n`);
+  process.exit(1);
+}
+
 function take(message: ConsumeMessage): void {
-  const key = cache.keyOf(keyOfValue(message.properties.headers?._HQ_DUPL_ID) as string);
+  const key = keyOf(message);
   const waiting = inFlight.get(key);
   if (waiting) {
     waiting.push(message);
@@ -85,7 +103,7 @@ function flush(): void {
   while (batch.length > 0 && claimsOut < CLAIMS_OUT) {
     const items = batch.slice(0, BATCH);
     batch = batch.slice(BATCH);
-    void claimAndPublish(items);
+    claimAndPublish(items).catch(fail);
   }
 }
 
@@ -117,12 +135,23 @@ function publish(item: Item): void {
     message.content,
     { ...message.properties, mandatory: true },
     (error) => {
-      if (error) {
-        void cache.release([item.key]).then(() => settle(item, false));
+      const wasReturned = returned.delete(item.key);
+      if (error || wasReturned) {
+        cache
+          .release([item.key])
+          .then(() => settle(item, false))
+          .catch(fail);
         return;
       }
       confirmed.push(item);
-      if (!committing) void commit();
+      // The confirms of one read go in one call.
+      if (!committing && !commitScheduled) {
+        commitScheduled = true;
+        setImmediate(() => {
+          commitScheduled = false;
+          commit().catch(fail);
+        });
+      }
     },
   );
   if (!ok) paused ??= new Promise((resolve) => publisher.once('drain', resolve));

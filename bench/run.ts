@@ -29,8 +29,13 @@ const CACHE_IDS = QUICK ? 100_000 : 1_000_000;
 const PREFETCH = 1000;
 // A mover process starts cold: V8 compiles its per-message code while the first messages go
 // through, for the bridge over about its first 20,000 (Shovel runs in a broker long up). So each
-// round is also measured from the arrival that brings the target to this share of it on.
+// round is also measured between the arrival that brings the target to this share of it and the
+// last: the messages and the CPU of every process in between, the mover's tail after it left out.
 const STEADY_FROM = Number(option('--steady-from', '0.5'));
+if (!(STEADY_FROM > 0 && STEADY_FROM < 1)) {
+  process.stderr.write('bench: --steady-from takes a share of the round between 0 and 1, e.g. 0.5\n');
+  process.exit(2);
+}
 const PIN = args.includes('--pin-brokers');
 // --bridge-args '--batch-size 50': extra options for the bridge's throughput rounds (tuning runs).
 const BRIDGE_ARGS = option('--bridge-args', '').split(' ').filter(Boolean);
@@ -92,6 +97,7 @@ async function main(): Promise<void> {
     }
     for (const key of Object.keys(cpuPerThousand)) delete cpuPerThousand[key];
     for (const key of Object.keys(steadyCpuPerThousand)) delete steadyCpuPerThousand[key];
+    for (const key of Object.keys(tailCpuMs)) delete tailCpuMs[key];
     // --headline: only the 1 KiB persistent profile (the other three take most of a full run).
     const sizes = QUICK || args.includes('--headline') ? PROFILES.slice(0, 1) : PROFILES;
     for (const profile of sizes) {
@@ -583,11 +589,18 @@ async function measure(
   cpuPerThousand[key] ??= [];
   cpuPerThousand[key].push(cpuPer1000(start, end, count));
   // The source messages moved in the steady part: its share of the arrivals (a deduplicating
-  // mover delivers fewer messages than it consumes when the profile resends IDs).
-  const steadyMessages = Math.max(1, ((expected - steady.arrived) / expected) * count);
-  lastSteadyRate = steadyMessages / (Math.max(lastArrival - steady.at, 1) / 1000);
+  // mover delivers fewer messages than it consumes when the profile resends IDs). When the mark
+  // and the last arrival fell in one poll, there is no steady part: the whole round stands for it.
+  const steadyShare = (expected - steady.arrived) / expected;
+  const steadyMessages = steadyShare * count;
   steadyCpuPerThousand[key] ??= [];
-  steadyCpuPerThousand[key].push(cpuPer1000(steady.cpu, end, steadyMessages));
+  if (steadyShare > 0 && lastArrival > steady.at) {
+    lastSteadyRate = steadyMessages / ((lastArrival - steady.at) / 1000);
+    steadyCpuPerThousand[key].push(cpuPer1000(steady.cpu, last, steadyMessages));
+  } else {
+    lastSteadyRate = count / (Math.max(ms, 1) / 1000);
+    steadyCpuPerThousand[key].push(cpuPer1000(start, end, count));
+  }
   await stopMover(mover, source);
   // Every system must leave nothing behind: a message still in the source (unacked at the exit,
   // so given back) would be delivered again by the next run.
