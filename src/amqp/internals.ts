@@ -37,7 +37,13 @@ interface Connection {
   rest: Buffer;
   maxFrameSize: number;
   frameMax: number;
-  stream: { read(): Buffer | null; cork?(): void; uncork?(): void };
+  stream: {
+    read(): Buffer | null;
+    cork?(): void;
+    uncork?(): void;
+    destroy(): void;
+    resetAndDestroy?(): void;
+  };
   recvSinceLastCheck: boolean;
   sentSinceLastCheck: boolean;
   channels: (ChannelRecord | undefined)[];
@@ -228,6 +234,17 @@ function keepRoutingBytes(decoded: { id?: number; fields?: object }, payload: Bu
 /** The raw exchange and routing key of a message read through a connection of the bridge's. */
 export function routingBytesOf(fields: object): RoutingBytes | undefined {
   return (fields as Record<symbol, RoutingBytes | undefined>)[ROUTING_BYTES];
+}
+
+/**
+ * Drops the connection with a TCP reset: what the kernel still holds to send is discarded, not
+ * sent first as a close would. The fence for publishes written under a lease that is running out
+ * (see Pipeline): bytes that never left this host cannot reach the broker after another owner's.
+ */
+export function resetConnection(model: ChannelModel): void {
+  const socket = connectionOf(model).stream;
+  if (typeof socket.resetAndDestroy === 'function') socket.resetAndDestroy();
+  else socket.destroy();
 }
 
 /**

@@ -3,7 +3,7 @@ import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
 import type { BridgeError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
-import { ChannelGoneError, publishRaw } from './internals.js';
+import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';
 import { ContentHeaderError, contentHeaderOf } from './properties.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
@@ -12,6 +12,11 @@ export interface Refusal {
   refusal?: string;
   /** The broker's words when it closed the channel this publish was in flight on. */
   closedBy?: string;
+  /**
+   * performance.now() past which this message must not be written: checked at the write itself,
+   * after any wait for the connection, an alarm or a full buffer (undefined: no limit).
+   */
+  writeBy?: number;
 }
 
 /** The reply code with which a broker closes a channel over one message it refuses. */
@@ -24,7 +29,8 @@ export type PublishOutcome =
   | 'nacked' // the target refused it (e.g. a queue over its length limit with reject-publish)
   | 'lost' // the connection went away before the confirm: the target may or may not hold it
   | 'killed' // the broker closed the channel with an error while this was in flight (maybe for it)
-  | 'unpublishable'; // the bridge cannot publish it as it is (never sent; see lastRefusal)
+  | 'unpublishable' // the bridge cannot publish it as it is (never sent; see lastRefusal)
+  | 'fenced'; // not sent: its `writeBy` had passed (the lease it goes under is not known live)
 
 /** How a channel ended: whether it closed, and whether the broker closed it with an error. */
 interface ChannelEnd {
@@ -244,6 +250,10 @@ export class TargetPublisher {
     answered: (outcome: PublishOutcome) => void,
     watchDrain = true,
   ): void {
+    if (note.writeBy !== undefined && performance.now() > note.writeBy) {
+      answered('fenced');
+      return;
+    }
     const closed = this.closedFlags.get(channel) as ChannelEnd;
     const pending: Pending = { returned: false };
     this.pending.set(matchKey, pending);
@@ -293,6 +303,17 @@ export class TargetPublisher {
     const pending = this.pending.get(matchKeyOf(message));
     if (pending) pending.returned = true;
     else this.log.warn('target returned a message the bridge cannot match to a publish');
+  }
+
+  /**
+   * Resets the target connection (see resetConnection): publishes not yet confirmed end as 'lost',
+   * and what had not left this host is never sent. The link reconnects as after any loss.
+   */
+  reset(reason: string): void {
+    const connection = this.connection;
+    if (!connection) return;
+    this.log.warn({ reason }, `${this.where}: resetting the connection`);
+    resetConnection(connection);
   }
 
   /** Ends every wait for the target (publishes still waiting resolve as 'lost'). */

@@ -34,6 +34,12 @@ export interface RouteCounters {
   resentInDoubt: number;
   /** Commits that found our claim taken over by another owner (our lease ran out). */
   claimTakenOver: number;
+  /** Publishes not sent because their lease was not known to hold any more (claimed again). */
+  fenced: number;
+  /** Leases a renewal found no longer ours (another owner took the ID over). */
+  leaseLost: number;
+  /** Target connections reset because unconfirmed publishes were about to outlive their lease. */
+  fenceResets: number;
 }
 
 export function newCounters(): RouteCounters {
@@ -55,5 +61,8 @@ export function newCounters(): RouteCounters {
     redelivered: 0,
     resentInDoubt: 0,
     claimTakenOver: 0,
+    fenced: 0,
+    leaseLost: 0,
+    fenceResets: 0,
   };
 }

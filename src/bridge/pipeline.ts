@@ -77,6 +77,16 @@ interface Entry {
   refusal?: string;
   /** The broker's words when it last closed the target channel while this was in flight. */
   closedBy?: string;
+  /** performance.now() when the claim now held was asked for (0: no claim). */
+  claimedAt: number;
+  /** Until when our lease surely holds: asked for at claimedAt or a renewal, plus the lease. */
+  leaseUntil: number;
+  /** Past this the message is not written to the target (see LEASE_WRITE_SHARE). */
+  writeBy: number;
+  /** A publish of it is out and unanswered (see fenceWrites). */
+  outstanding: boolean;
+  /** A copy of ours may be on the target: every later copy goes flagged, whatever the claim says. */
+  doubt: boolean;
 }
 
 /** Why a message is refused; 'unreadable', 'unpublishable' and 'loop' come with the detail. */
@@ -97,6 +107,14 @@ const MAX_CLAIMS_OUT = 2;
 const MAX_COMMIT_IDS = 1000;
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
+// A message is written to the target only while at least this share of its lease is left, so
+// that a process that stalled (paused, starved of CPU, cut off from Redis) after its claim does
+// not publish under a lease another owner may already have taken over.
+const LEASE_WRITE_SHARE = 1 / 3;
+// A publish that is out and unconfirmed when its lease is down to this share (Redis renewed
+// nothing meanwhile) makes the bridge reset the target connection: what has not left this host is
+// then never sent, so it cannot land after another owner's copy as an unflagged second copy.
+const LEASE_RESET_SHARE = 1 / 5;
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
 const MAX_RETRY_MEMORY = 10_000;
 // Remembered IDs that were in flight when the target closed its channel: when one comes back it
@@ -145,6 +163,7 @@ export class Pipeline {
   /** Lines about single messages, capped per kind and interval, their message text clipped. */
   private readonly perMessage: PerMessageLog;
   private renewTimer: NodeJS.Timeout | undefined;
+  private fenceTimer: NodeJS.Timeout | undefined;
   private renewing = false;
   /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
   private redisFailing = false;
@@ -170,6 +189,8 @@ export class Pipeline {
     this.failed = onFatal;
     const renewEvery = Math.max(100, Math.floor(this.settings.leaseMs / 3));
     this.renewTimer = setInterval(() => this.renewLeases(), renewEvery);
+    const fenceEvery = Math.max(50, Math.floor(this.settings.leaseMs / 10));
+    this.fenceTimer = setInterval(() => this.fenceWrites(), fenceEvery);
     await this.source.consume((message) => this.receive(message));
   }
 
@@ -244,6 +265,7 @@ export class Pipeline {
       }
     }
     if (this.renewTimer) clearInterval(this.renewTimer);
+    if (this.fenceTimer) clearInterval(this.fenceTimer);
     this.perMessage.flush();
     // A source reconnect waiting to consume again must not wait any longer.
     for (const wake of this.idleWaiters.splice(0)) wake();
@@ -271,6 +293,11 @@ export class Pipeline {
       state: undefined,
       leading: false,
       suspect: 0,
+      claimedAt: 0,
+      leaseUntil: 0,
+      writeBy: 0,
+      outstanding: false,
+      doubt: false,
     };
     let header: ContentHeader;
     try {
@@ -390,8 +417,13 @@ export class Pipeline {
     const claimStarted = performance.now();
     this.claimsOut++;
     let states: ClaimState[];
+    // When the claim that answered was asked for: the lease runs from no earlier than that.
+    let askedAt = 0;
     try {
-      states = await this.redis('claim', () => this.cache.claim(keys));
+      states = await this.redis('claim', () => {
+        askedAt = performance.now();
+        return this.cache.claim(keys);
+      });
     } finally {
       this.claimsOut--;
       if (this.batch.length > 0) this.flush();
@@ -399,8 +431,11 @@ export class Pipeline {
     this.onLatency('claim', secondsSince(claimStarted), entries.length);
     const toPublish: Entry[] = [];
     const busy: Entry[] = [];
+    const { leaseMs } = this.settings;
     entries.forEach((entry, index) => {
-      const state = states[index] as ClaimState;
+      const claimed = states[index] as ClaimState;
+      // Our own claim seen again answers 'new'; a copy of ours may still be out there.
+      const state = claimed === 'new' && entry.doubt ? 'in-doubt' : claimed;
       entry.state = state;
       if (state === 'dup') {
         this.counters.duplicates++;
@@ -409,6 +444,9 @@ export class Pipeline {
       } else if (state === 'busy') {
         busy.push(entry);
       } else {
+        entry.claimedAt = askedAt;
+        entry.leaseUntil = askedAt + leaseMs;
+        entry.writeBy = entry.leaseUntil - leaseMs * LEASE_WRITE_SHARE;
         this.claimed.add(entry);
         toPublish.push(entry);
       }
@@ -428,14 +466,30 @@ export class Pipeline {
     const confirmed: Entry[] = [];
     const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
+    const fenced: Entry[] = [];
     toPublish.forEach((entry, index) => {
       const outcome = outcomes[index] as PublishOutcome;
       if (outcome === 'confirmed') confirmed.push(entry);
+      else if (outcome === 'fenced') fenced.push(entry);
       else if (outcome === 'returned') refused.push([entry, 'unroutable']);
       else if (outcome === 'nacked') refused.push([entry, 'nacked', entry.refusal]);
       else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
       else lost.push(entry);
     });
+
+    if (fenced.length > 0) {
+      // Not sent: the lease was not known to hold any more. Claimed again before any publish;
+      // whoever holds the ID meanwhile decides (busy, or a duplicate once it committed).
+      this.counters.fenced += fenced.length;
+      this.perMessage.warn(
+        { count: fenced.length, leaseMs },
+        'lease not known to hold at publish time (the process stalled, or Redis renewed nothing): not sent; claiming again',
+      );
+      for (const entry of fenced) {
+        this.claimed.delete(entry);
+        this.enqueue(entry);
+      }
+    }
 
     if (confirmed.length > 0) {
       this.settings.afterConfirm?.();
@@ -494,6 +548,7 @@ export class Pipeline {
     return new Promise((resolve, reject) => {
       const answered = (index: number, outcome: PublishOutcome) => {
         outcomes[index] = outcome;
+        (entries[index] as Entry).outstanding = false;
         // Per confirmed message, at its own confirm: the metric is per forwarded message, and a
         // batch's slowest answer (or a returned message) is not every message's confirm.
         if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
@@ -501,6 +556,7 @@ export class Pipeline {
         resolve(outcomes);
       };
       entries.forEach((entry, index) => {
+        entry.outstanding = true;
         const first = (outcome: PublishOutcome) => {
           if (outcome === 'lost' || outcome === 'killed') {
             this.publishAgain(entry, outcome).then((again) => answered(index, again), reject);
@@ -522,6 +578,9 @@ export class Pipeline {
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
+      if (outcome === 'fenced') return outcome;
+      // Written and not answered: from here on a copy of ours may be on the target.
+      entry.doubt = true;
       if (outcome === 'killed' && !this.abandoned) {
         entry.suspect++;
         this.rememberSuspect(entry.key as string);
@@ -768,16 +827,69 @@ export class Pipeline {
   private renewLeases(): void {
     // While Redis is away a renewal waits; do not queue another behind it.
     if (this.claimed.size === 0 || this.renewing) return;
-    const keys = [...this.claimed].map((entry) => entry.key as string);
+    const entries = [...this.claimed];
+    const keys = entries.map((entry) => entry.key as string);
     this.renewing = true;
+    const askedAt = performance.now();
+    const { leaseMs } = this.settings;
     this.cache
-      .renew(keys)
+      .renewEach(keys)
+      .then((renewed) => {
+        let lost = 0;
+        let lostOut = 0;
+        entries.forEach((entry, index) => {
+          // Settled meanwhile, or claimed anew after this renewal was asked for: not its answer.
+          if (!this.claimed.has(entry) || entry.claimedAt > askedAt) return;
+          if (renewed[index]) {
+            entry.leaseUntil = Math.max(entry.leaseUntil, askedAt + leaseMs);
+            entry.writeBy = entry.leaseUntil - leaseMs * LEASE_WRITE_SHARE;
+            return;
+          }
+          // No longer ours (taken over after ours ran out, or released): never written again
+          // without a new claim. A publish already out may land beside the new owner's copy.
+          lost++;
+          if (entry.outstanding) lostOut++;
+          entry.leaseUntil = 0;
+          entry.writeBy = 0;
+        });
+        if (lost === 0) return;
+        this.counters.leaseLost += lost;
+        this.log.warn(
+          { lost, unconfirmed: lostOut },
+          'leases no longer ours (they ran out and another owner took the IDs over): not published again without a new claim',
+        );
+        if (lostOut > 0) this.resetTarget(`${lostOut} unconfirmed publish(es) lost their lease`);
+      })
       .catch((error: unknown) => {
         this.log.warn({ error: describe(error) }, 'lease renewal failed; will retry');
       })
       .finally(() => {
         this.renewing = false;
       });
+  }
+
+  /**
+   * Resets the target connection when a publish that is out and unconfirmed is about to outlive
+   * its lease (Redis renewed nothing for most of it): bytes still queued on this host are then
+   * dropped, not delivered after another owner took the ID over and sent its flagged copy.
+   */
+  private fenceWrites(): void {
+    const { leaseMs } = this.settings;
+    const resetAt = performance.now() + leaseMs * LEASE_RESET_SHARE;
+    let expiring = 0;
+    for (const entry of this.claimed) {
+      if (entry.outstanding && entry.leaseUntil < resetAt) expiring++;
+    }
+    if (expiring > 0) {
+      this.resetTarget(
+        `the leases of ${expiring} unconfirmed publish(es) run out and Redis has not renewed them`,
+      );
+    }
+  }
+
+  private resetTarget(reason: string): void {
+    this.counters.fenceResets++;
+    this.target.reset(reason);
   }
 
   /**

@@ -589,7 +589,16 @@ export class DedupCache {
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
 
+  /** Extends our leases; returns how many were still ours (see renewEach). */
   async renew(keys: readonly string[]): Promise<number> {
+    return (await this.renewEach(keys)).filter(Boolean).length;
+  }
+
+  /**
+   * Extends our leases, one answer per key: true renewed, false no longer ours (committed, taken
+   * over by another owner whose turn came when ours ran out, or released).
+   */
+  async renewEach(keys: readonly string[]): Promise<boolean[]> {
     const codes = await this.perShard(keys, (_, group) =>
       this.scripts.renew(
         group.length,
@@ -600,7 +609,7 @@ export class DedupCache {
         this.options.windowMs,
       ),
     );
-    return codes.reduce((sum: number, code) => sum + (code as number), 0);
+    return codes.map((code) => code === 1);
   }
 
   /** What the cache holds for each key; changes nothing. */

@@ -51,6 +51,17 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
     'claim_taken_over_total',
     'Commits that found the claim taken over after its lease ran out',
   ],
+  [
+    'fenced',
+    'fenced_total',
+    'Publishes not sent because their lease was not known to hold any more (claimed again first)',
+  ],
+  ['leaseLost', 'lease_lost_total', 'Leases a renewal found taken over by another owner'],
+  [
+    'fenceResets',
+    'fence_resets_total',
+    'Target connections reset so that publishes outliving their lease were never sent',
+  ],
 ];
 
 // From a local Redis round trip (about a millisecond) to a broker under a resource alarm.

@@ -316,11 +316,68 @@ export interface BridgeOptions {
   targetQueue: string;
   volatileRedis?: boolean;
   prefetch?: number;
+  /** The bridge's own links (see ReplicaLinks) instead of the world's shared proxies. */
+  urls?: { source: string; target: string; redis: string };
+}
+
+/**
+ * A replica's own three links, each through a proxy of its own, so that one replica can be cut
+ * off while the others go on. The source link has a short heartbeat, so that its broker hands a
+ * stalled replica's messages to the others within seconds; the target link keeps RabbitMQ's
+ * default (60 s), so the target connection outlives a stall of seconds, as it does in production.
+ */
+export class ReplicaLinks {
+  readonly source: FaultProxy;
+  readonly target: FaultProxy;
+  readonly redis: FaultProxy;
+
+  constructor(private readonly world: ChaosWorld) {
+    this.source = FaultProxy.forUrl(world.source.url);
+    this.target = FaultProxy.forUrl(world.target.url);
+    this.redis = FaultProxy.forUrl(world.redisAof.url);
+  }
+
+  async start(): Promise<void> {
+    await Promise.all([this.source.start(), this.target.start(), this.redis.start()]);
+  }
+
+  urls() {
+    const heartbeat = (url: string) => `${url.replace(/\/$/, '')}/?heartbeat=2`;
+    return {
+      source: heartbeat(this.source.urlFor(this.world.source.url)),
+      target: this.target.urlFor(this.world.target.url),
+      redis: this.redis.urlFor(this.world.redisAof.url),
+    };
+  }
+
+  /** Blackholes (or lets through again) all three links at once: a partition of this replica. */
+  setMode(mode: 'pass' | 'blackhole'): void {
+    for (const proxy of [this.source, this.target, this.redis]) proxy.setMode(mode);
+  }
+
+  async stop(): Promise<void> {
+    await Promise.allSettled([this.source.stop(), this.target.stop(), this.redis.stop()]);
+  }
+}
+
+/**
+ * Copies that came after the first copy of their ID without the in-doubt flag, in the order the
+ * target holds them. A consumer may skip nothing unflagged: every copy after an ID's first must be
+ * flagged, whichever process sent it (score's `unflagged` counts copies, not their order).
+ */
+export function lateUnflagged(copies: Copy[]): number {
+  const seen = new Set<string>();
+  let late = 0;
+  for (const copy of copies) {
+    if (seen.has(copy.id) && !copy.inDoubt) late++;
+    seen.add(copy.id);
+  }
+  return late;
 }
 
 /** `dedup-bridge run` through the proxies, with a short lease so a killed owner's claims run out fast. */
 export function startBridgeProcess(options: BridgeOptions): RunningCli {
-  const urls = options.world.bridgeUrls(options.volatileRedis);
+  const urls = options.urls ?? options.world.bridgeUrls(options.volatileRedis);
   return startCli([
     'run',
     '--source',
