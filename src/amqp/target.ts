@@ -5,6 +5,7 @@ import type { Logger } from '../observe/log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';
 import { ContentHeaderError, contentHeaderOf } from './properties.js';
+import { ClosedOverSize, refusalOfClose, tooLargeDetail } from './refusal.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** Where a publish that cannot be sent says why. */
@@ -19,6 +20,9 @@ export interface Refusal {
   writeBy?: number;
 }
 
+/** A body this many times the largest the target took is tried alone (see untried). */
+const UNTRIED_GROWTH = 1.25;
+
 /** The reply code with which a broker closes a channel over one message it refuses. */
 const MESSAGE_REFUSED = 406;
 
@@ -30,7 +34,9 @@ export type PublishOutcome =
   | 'lost' // the connection went away before the confirm: the target may or may not hold it
   | 'killed' // the broker closed the channel with an error while this was in flight (maybe for it)
   | 'unpublishable' // the bridge cannot publish it as it is (never sent; see lastRefusal)
-  | 'fenced'; // not sent: its `writeBy` had passed (the lease it goes under is not known live)
+  | 'fenced' // not sent: its `writeBy` had passed (the lease it goes under is not known live)
+  | 'too-large' // over the target's max_message_size: refused by the broker, or known to be (see refusal)
+  | 'discarded'; // never stored: not sent (its channel was gone), or dropped unread after a close
 
 /** How a channel ended: whether it closed, and whether the broker closed it with an error. */
 interface ChannelEnd {
@@ -38,6 +44,8 @@ interface ChannelEnd {
   byServer: boolean;
   /** The broker's close text, when it closed the channel over a message. */
   reason?: string;
+  /** When the close was over a message's size: sorts the publishes it left unconfirmed. */
+  overSize?: ClosedOverSize;
 }
 
 interface Pending {
@@ -63,6 +71,15 @@ export class TargetPublisher {
   private wakeReady: (() => void)[] = [];
   private drained: Promise<void> | undefined;
   private readonly pending = new Map<string, Pending>();
+  /** The target's max_message_size, once it closed a channel over a message larger than that. */
+  sizeLimit: number | undefined;
+  /** The largest body the target took (confirmed or returned): its size limit is at least that. */
+  private provenSize = 0;
+  /** Publishes waiting, in order, for a message of an untried size to be answered (see tryAlone). */
+  private behindTrial: (() => void)[] | undefined;
+  /** Publishes waiting in ready(), not yet in `pending`. */
+  private waitingReady = 0;
+  private quietWaiters: (() => void)[] = [];
   /** Per channel: whether it has closed (then a failed confirm means "lost", not "nacked"). */
   private readonly closedFlags = new WeakMap<ConfirmChannel, ChannelEnd>();
   /** Called when the channel closes under us: the owner reconnects. */
@@ -120,6 +137,11 @@ export class TargetPublisher {
       if (replyCodeOf(error) === MESSAGE_REFUSED) {
         flag.byServer = true;
         flag.reason = error.message;
+        const { sizeLimit } = refusalOfClose(error.message);
+        if (sizeLimit !== undefined) {
+          this.sizeLimit = sizeLimit;
+          flag.overSize = new ClosedOverSize(sizeLimit);
+        }
       }
       this.log.warn({ error: error.message }, `${name} error`);
       if (replyCodeOf(error) === 403) this.onFatal(accessRefused(this.where, error, 'write'));
@@ -165,6 +187,15 @@ export class TargetPublisher {
     }
   }
 
+  /**
+   * Whether a body this large is untried: no size limit is known and it is over a quarter larger
+   * than anything the target took. Such a message is tried alone (see tryAlone): sizes that only
+   * creep up cost a trial at each quarter's growth, not one each.
+   */
+  private untried(size: number): boolean {
+    return this.sizeLimit === undefined && size > this.provenSize * UNTRIED_GROWTH;
+  }
+
   get isBlocked(): boolean {
     return this.blocked;
   }
@@ -201,16 +232,69 @@ export class TargetPublisher {
     note: Refusal,
     answered: (outcome: PublishOutcome) => void,
   ): void {
+    if (this.behindTrial) {
+      // In order behind a message being tried alone (see untried).
+      this.behindTrial.push(() => this.send(exchange, routingKey, header, content, matchKey, note, answered));
+      return;
+    }
+    if (this.untried(content.length)) {
+      this.tryAlone(exchange, routingKey, header, content, matchKey, note, answered);
+      return;
+    }
     // The usual case, connected and not held back, without waiting a turn for ready().
     const channel = this.channel;
     if (channel && !this.blocked && !this.drained && !this.closed) {
       this.publishOn(channel, exchange, routingKey, header, content, matchKey, note, answered);
       return;
     }
+    this.waitingReady++;
     void this.ready().then((ready) => {
+      this.waitingReady--;
       if (ready) this.publishOn(ready, exchange, routingKey, header, content, matchKey, note, answered);
       else answered('lost');
+      this.wakeIfQuiet();
     });
+  }
+
+  /**
+   * Publishes a message of an untried size alone on the trial channel, and the publishes sent
+   * after it once it is answered, in their order: a broker that refuses it for its size closes
+   * the trial channel, not the ordinary one with every publish in flight on it (whose unconfirmed
+   * ones would all be in doubt), and its answer tells the size limit. Sizes grow in few records
+   * (see untried), so this costs a round trip now and then, and the order stays the source's.
+   */
+  private tryAlone(
+    exchange: string,
+    routingKey: string | Buffer,
+    header: Buffer,
+    content: Buffer,
+    matchKey: string,
+    note: Refusal,
+    answered: (outcome: PublishOutcome) => void,
+  ): void {
+    this.behindTrial = [];
+    // After every publish before it was answered: the broker runs each channel on its own, so a
+    // message on the trial channel could otherwise be stored ahead of earlier ones.
+    void this.quiet()
+      .then(() => this.publishAlone(exchange, routingKey, header, content, matchKey, note))
+      .then((outcome) => {
+        const waiting = this.behindTrial ?? [];
+        this.behindTrial = undefined;
+        answered(outcome);
+        // Each may be untried too: it then holds the rest behind it in turn.
+        for (const next of waiting) next();
+      });
+  }
+
+  /** Resolves once every publish sent so far was answered. */
+  private quiet(): Promise<void> {
+    if (this.pending.size === 0 && this.waitingReady === 0) return Promise.resolve();
+    return new Promise((resolve) => this.quietWaiters.push(resolve));
+  }
+
+  private wakeIfQuiet(): void {
+    if (this.pending.size > 0 || this.waitingReady > 0) return;
+    for (const wake of this.quietWaiters.splice(0)) wake();
   }
 
   /**
@@ -254,16 +338,24 @@ export class TargetPublisher {
       answered('fenced');
       return;
     }
+    // Known to be refused: sent, it would close the channel and put every publish behind it in doubt.
+    if (this.sizeLimit !== undefined && content.length > this.sizeLimit) {
+      note.refusal = tooLargeDetail(content.length, this.sizeLimit);
+      answered('too-large');
+      return;
+    }
     const closed = this.closedFlags.get(channel) as ChannelEnd;
     const pending: Pending = { returned: false };
     this.pending.set(matchKey, pending);
     const settle = (outcome: PublishOutcome) => {
       if (this.pending.get(matchKey) === pending) this.pending.delete(matchKey);
       answered(outcome);
+      if (this.quietWaiters.length > 0) this.wakeIfQuiet();
     };
     try {
       const ok = publishRaw(channel, exchange, routingKey, header, content, (error) => {
         if (!error) {
+          if (content.length > this.provenSize) this.provenSize = content.length;
           settle(pending.returned ? 'returned' : 'confirmed');
           return;
         }
@@ -271,13 +363,20 @@ export class TargetPublisher {
         // listeners run synchronously, so by the next microtask we know which one it was.
         queueMicrotask(() => {
           if (closed.closed && closed.byServer) note.closedBy = closed.reason;
+          if (closed.closed && closed.overSize) {
+            // amqplib fails the unconfirmed publishes in the order they were sent.
+            const side = closed.overSize.next(content.length);
+            if (side === 'refused') note.refusal = tooLargeDetail(content.length, closed.overSize.limit);
+            settle(side === 'refused' ? 'too-large' : side === 'not-stored' ? 'discarded' : 'lost');
+            return;
+          }
           settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked');
         });
       });
       if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
     } catch (error) {
       if (error instanceof ChannelGoneError) {
-        settle('lost');
+        settle('discarded');
         return;
       }
       // Nothing was sent: this message cannot go as it is (a header over frame_max, say).

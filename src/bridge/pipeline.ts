@@ -195,7 +195,9 @@ export class Pipeline {
   }
 
   /** The target's max_message_size, once it refused a message for being larger. */
-  targetSizeLimit: number | undefined;
+  get targetSizeLimit(): number | undefined {
+    return this.target.sizeLimit;
+  }
 
   /** Messages delivered to us and not yet acked or returned to the source. */
   get heldCount(): number {
@@ -467,13 +469,18 @@ export class Pipeline {
     const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
     const fenced: Entry[] = [];
+    // Refused for their size: the broker checks it before routing, so no queue stored them.
+    const tooLarge = new Set<Entry>();
     toPublish.forEach((entry, index) => {
       const outcome = outcomes[index] as PublishOutcome;
       if (outcome === 'confirmed') confirmed.push(entry);
       else if (outcome === 'fenced') fenced.push(entry);
       else if (outcome === 'returned') refused.push([entry, 'unroutable']);
       else if (outcome === 'nacked') refused.push([entry, 'nacked', entry.refusal]);
-      else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
+      else if (outcome === 'too-large') {
+        tooLarge.add(entry);
+        refused.push([entry, 'nacked', entry.refusal]);
+      } else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
       else lost.push(entry);
     });
 
@@ -513,7 +520,9 @@ export class Pipeline {
       // A claim that is in doubt stays so: an earlier copy may be on the target, and the next
       // attempt, by anyone, must flag its copy. A nack too leaves its ID in doubt: published to an
       // exchange bound to several queues, one queue may refuse it while another stored it.
-      const nacked = new Set(refused.filter(([, why]) => why === 'nacked').map(([entry]) => entry));
+      const nacked = new Set(
+        refused.filter(([entry, why]) => why === 'nacked' && !tooLarge.has(entry)).map(([entry]) => entry),
+      );
       const keysOf = (inDoubt: boolean) =>
         refusedEntries
           .filter((entry) => (entry.state === 'in-doubt' || nacked.has(entry)) === inDoubt)
@@ -558,7 +567,7 @@ export class Pipeline {
       entries.forEach((entry, index) => {
         entry.outstanding = true;
         const first = (outcome: PublishOutcome) => {
-          if (outcome === 'lost' || outcome === 'killed') {
+          if (outcome === 'lost' || outcome === 'killed' || outcome === 'discarded') {
             this.publishAgain(entry, outcome).then((again) => answered(index, again), reject);
           } else {
             answered(index, outcome);
@@ -574,29 +583,32 @@ export class Pipeline {
     });
   }
 
-  /** The rest of a publish after a first attempt was lost or its channel killed. */
+  /**
+   * The rest of a publish after a first attempt was lost, its channel killed, or dropped unread by
+   * the broker after it closed the channel over an earlier message (discarded: never stored, so it
+   * goes again as it was, unflagged).
+   */
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
-      if (outcome === 'fenced') return outcome;
-      // Written and not answered: from here on a copy of ours may be on the target.
-      entry.doubt = true;
-      if (outcome === 'killed' && !this.abandoned) {
-        entry.suspect++;
-        this.rememberSuspect(entry.key as string);
-        if (entry.suspect >= 2) {
-          // Alone on its own channel: the close was this message's doing, and its words say why.
-          const refusal = refusalOfClose(entry.closedBy);
-          entry.refusal = refusal.detail;
-          if (refusal.sizeLimit !== undefined) this.targetSizeLimit = refusal.sizeLimit;
-          return 'nacked';
+      if (outcome !== 'lost' && outcome !== 'killed' && outcome !== 'discarded') return outcome;
+      if (this.abandoned) return 'lost';
+      if (outcome !== 'discarded') {
+        // Written and not answered: from here on a copy of ours may be on the target.
+        entry.doubt = true;
+        if (outcome === 'killed') {
+          entry.suspect++;
+          this.rememberSuspect(entry.key as string);
+          if (entry.suspect >= 2) {
+            // Alone on its own channel: the close was this message's doing, and its words say why.
+            entry.refusal = refusalOfClose(entry.closedBy).detail;
+            return 'nacked';
+          }
         }
-      } else if (outcome !== 'lost' || this.abandoned) {
-        return outcome === 'killed' ? 'lost' : outcome;
-      }
-      if (entry.state !== 'in-doubt') {
-        entry.state = 'in-doubt';
-        this.counters.resentInDoubt++;
+        if (entry.state !== 'in-doubt') {
+          entry.state = 'in-doubt';
+          this.counters.resentInDoubt++;
+        }
       }
       // A publish lost at once again (a channel that is gone but not yet replaced) must not spin:
       // back off, which also lets the event loop run the reconnect, signals and health checks.

@@ -126,4 +126,54 @@ describe("messages over the target's max_message_size (issue 17, item 4)", () =>
       );
     }
   });
+
+  // Issue 28: ten over-size messages among thousands. A body larger than any the target took yet
+  // goes alone on the trial channel, so the first poison message closes that channel, not the
+  // ordinary one, and tells the limit; after it every message over the limit is refused before it
+  // is sent. (When the ordinary channel does close over a size, only what was sent before the
+  // refused message is in doubt: test/unit/refusal.test.ts.) Before this, 10 such messages among
+  // 6,000 closed the ordinary channel 10 times and left 433 (and 1,298) flagged copies.
+  it('ten over-size messages among 6,000 close no ordinary channel and leave at most 100 flagged copies', async () => {
+    const { sourceUrl } = servers();
+    const source = uniqueName('big-many-src');
+    const destination = uniqueName('big-many-dst');
+    const park = uniqueName('big-many-park');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(sourceUrl, park);
+    await declareQueue(target.url, destination);
+    const total = 6000;
+    const poison = new Set(Array.from({ length: 10 }, (_, k) => 300 + k * 570));
+    const innocent: string[] = [];
+    const large: string[] = [];
+    await publishAll(
+      sourceUrl,
+      source,
+      Array.from({ length: total }, (_, i) => {
+        const id = `m-${i}`;
+        (poison.has(i) ? large : innocent).push(id);
+        return {
+          body: poison.has(i) ? Buffer.alloc(2 * LIMIT, 'x') : `small ${id}`,
+          options: { headers: { _HQ_DUPL_ID: id } },
+        };
+      }),
+    );
+    const run = await migrate(source, destination, '--park-queue', park);
+    expect(run.code, run.stderr).toBe(0);
+    const arrived = await takeAll(target.url, destination);
+    const count = countDelivery('innocent, on the target', innocent, ids(arrived));
+    expect(count).toMatchObject({ lost: 0, unexpected: 0 });
+    const flagged = arrived.filter((message) => message.properties.headers?.['x-dedup-in-doubt'] === true);
+    const unflagged = arrived.filter((message) => message.properties.headers?.['x-dedup-in-doubt'] !== true);
+    const closes = run.stdout.split('\n').filter((line) => line.includes('"msg":"target channel error"'));
+    process.stdout.write(
+      `oversize among many: ${large.length} parked of ${total}; ${flagged.length} flagged copies, ${count.duplicated} duplicates on the target; the target closed the ordinary channel ${closes.length} time(s)\n`,
+    );
+    // Every innocent message once unflagged, none unflagged twice; the extra copies are flagged.
+    expect(new Set(ids(unflagged)).size).toBe(unflagged.length);
+    expect(flagged.length).toBeLessThanOrEqual(100);
+    expect(closes.length).toBe(0);
+    expect(run.report).toMatchObject({ outcome: 'drained', parked: large.length });
+    expect(ids(await takeAll(sourceUrl, park))).toEqual([...large].sort());
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+  });
 });
