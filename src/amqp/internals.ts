@@ -382,3 +382,12 @@ export function clusterNameOf(model: ChannelModel): string | undefined {
   if (typeof name === 'string') return name;
   return Buffer.isBuffer(name) ? name.toString('utf8') : undefined;
 }
+
+/** The version a connected broker says it runs (its `version` server property), if it says. */
+export function serverVersionOf(model: ChannelModel): string | undefined {
+  const properties = (connectionOf(model) as unknown as { serverProperties?: Record<string, unknown> })
+    .serverProperties;
+  const version = properties?.version;
+  if (typeof version === 'string') return version;
+  return Buffer.isBuffer(version) ? version.toString('utf8') : undefined;
+}

@@ -1,12 +1,13 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message } from 'amqplib';
 import { InFlightBytes } from '../bridge/limits.js';
+import type { SourceDeliveryLimit } from '../config/settings.js';
 import { type BridgeError, FatalConnectError } from '../errors.js';
 import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
 import { sleep } from './backoff.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { encodeValue, rawField } from './fields.js';
-import { publishRaw } from './internals.js';
+import { publishRaw, serverVersionOf } from './internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './properties.js';
 
 // The channel that delivered a message, kept on the message itself: a WeakMap entry per message
@@ -58,6 +59,14 @@ interface QueueView {
   consumer: number | undefined;
 }
 
+/**
+ * The source queue's type as the broker showed it at attach (see queueTypeOf): 'classic' counts no
+ * deliveries; a 'quorum' queue counts each return toward its delivery limit (RabbitMQ 4 gives every
+ * quorum queue one, 20 by default), past which the broker drops or dead-letters the message;
+ * 'unknown' is treated like a quorum queue.
+ */
+export type SourceQueueType = 'classic' | 'quorum' | 'stream' | 'unknown' | (string & {});
+
 /** Matches a parked copy that came back unroutable to its publish. */
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';
 const PARK_HEADERS = [PARK_REASON_HEADER, PARK_SEQ_HEADER];
@@ -77,6 +86,8 @@ export class SourceQueue {
   private consumerSeq = 0;
   /** The prefetch of the live consumer, and whether it was sized by the bodies seen. */
   private window = { window: 0, sized: false };
+  /** Deliveries the live consumer made (a window that opens twofold grows once it is delivered). */
+  private delivered = 0;
   /** True while the consumer is cancelled because the bodies held reached the byte bound. */
   private paused = false;
   /** Set when a delivery was returned for the bound since the consumer started: it must pause. */
@@ -99,6 +110,16 @@ export class SourceQueue {
   private parkSeq = 0;
   private readonly parkPending = new Map<number, { returned: boolean }>();
   private attachments = 0;
+  /** The queue's type, read once at the first attach. */
+  private type: SourceQueueType | undefined;
+  /** Messages handed back to a queue that counts deliveries (requeued, or unacked at a close). */
+  private givenBack = 0;
+  /** Of those, how many had reached the known delivery limit with that return. */
+  private givenBackPastLimit = 0;
+  /** Set from the management API at start, when it is configured (see source-ttl.ts). */
+  deliveryLimit: SourceDeliveryLimit | undefined;
+  /** The source broker's major version (RabbitMQ 4 gives every quorum queue a delivery limit). */
+  private brokerMajor: number | undefined;
   /** Runs before consuming on a new connection (the pipeline settles what the old one left). */
   beforeConsume: () => Promise<void> = async () => {};
   /** Called when a channel closes or the broker cancels the consumer: the owner reconnects. */
@@ -121,6 +142,17 @@ export class SourceQueue {
     const attachment = ++this.attachments;
     const probe = await openChannel(connection, this.log);
     await checkQueueExists(probe, this.queue, this.where, '--source-queue');
+    if (this.type === undefined) {
+      this.brokerMajor = Number.parseInt(serverVersionOf(connection) ?? '', 10) || undefined;
+      try {
+        this.type = await sourceQueueTypeOf(connection, this.queue, this.where, this.log);
+      } catch (error) {
+        await probe.close().catch(() => {});
+        throw error;
+      }
+      // Nothing can be returned to it unread: the byte bound takes what the broker sends.
+      this.bytes.takesAll = this.countsDeliveries && this.bytes.bound !== Number.POSITIVE_INFINITY;
+    }
     if (this.parkQueue !== undefined) {
       await checkQueueExists(probe, this.parkQueue, this.where, '--park-queue');
       const park = await connection.createConfirmChannel();
@@ -159,6 +191,19 @@ export class SourceQueue {
     if (closedEarly !== undefined) throw new Error(`${closedEarly} closed while opening`);
   }
 
+  /** The source queue's type (undefined before the first attach). */
+  get queueType(): SourceQueueType | undefined {
+    return this.type;
+  }
+
+  /**
+   * Whether the broker counts a return of a message against it: anything but a classic queue (a
+   * quorum queue has a delivery limit, by default on RabbitMQ 4; an unknown type may have one).
+   */
+  get countsDeliveries(): boolean {
+    return this.type !== 'classic';
+  }
+
   /** Forgets the channels of a lost connection: their unacked messages go back to the queue. */
   detach(): void {
     // A reset of a link that is still open (a channel of it closed): its held acks still count.
@@ -184,7 +229,14 @@ export class SourceQueue {
     // basic.qos applies to the consumers started after it: each consumer gets the window that fits.
     const window = this.bytes.windowFor(this.prefetch);
     await channel.prefetch(window.window);
-    this.bytes.consumerStarted();
+    this.bytes.consumerStarted(window.window);
+    // Before the consume: its first deliveries may come before the consume-ok is handled here, and
+    // what they set (a window delivered, the bound reached) is theirs. Not paused meanwhile: a flow
+    // change they ask for waits for the consume-ok (see the flow() below), it starts no consumer.
+    this.window = window;
+    this.delivered = 0;
+    this.overflowed = false;
+    this.paused = false;
     const reply = await channel
       .consume(this.queue, (message) => this.deliver(channel, handler, message), { noAck: false })
       .catch((error: unknown) => {
@@ -198,9 +250,6 @@ export class SourceQueue {
     }
     this.consumerTag = reply.consumerTag;
     this.consumerSeq++;
-    this.window = window;
-    this.overflowed = false;
-    this.paused = false;
     this.unlisted = 0;
     // The broker's word on the new consumer at once, not at the next poll.
     void this.depth();
@@ -220,11 +269,13 @@ export class SourceQueue {
       }
       return;
     }
-    // A redelivered message is never returned again: each return counts toward a quorum queue's
-    // delivery limit, past which the broker drops or dead-letters it. So the bound returns a
-    // message at most once, and one that comes back is taken even past the bound (the consumer
-    // pauses at once; its window was sized for the bodies seen).
-    if (!this.bytes.admit(message.content.length, !message.fields.redelivered)) {
+    // The bound returns a delivery unread only to a classic queue, and at most once (a redelivered
+    // one is taken even past the bound): every return counts toward a quorum queue's delivery
+    // limit, past which the broker drops or dead-letters the message. On any other queue what the
+    // broker sent is taken, and the consumer pauses once the bound is reached (see overflowed): the
+    // bodies held may pass the bound by what the window let the broker send before the pause.
+    const returnable = !message.fields.redelivered && !this.countsDeliveries;
+    if (!this.bytes.admit(message.content.length, returnable)) {
       // Its body is dropped at once; it goes back once the consumer is cancelled (see unread), and
       // the broker delivers it again once the consumer is back.
       this.overflowed = true;
@@ -237,8 +288,15 @@ export class SourceQueue {
     (message as Delivered)[COUNTED] = true;
     (message as Delivered)[DELIVERED_ON] = channel;
     this.acksOf(channel).unsettled.add(message.fields.deliveryTag);
+    // Nothing can be returned to this queue: the consumer pauses once the bound is reached.
+    let grow = false;
+    if (this.bytes.takesAll) {
+      if (this.bytes.full) this.overflowed = true;
+      // Its window was delivered: the next consumer may take twice as many.
+      grow = ++this.delivered === this.window.window && this.window.window < this.prefetch;
+    }
     handler(message);
-    if (this.bytes.full || !this.window.sized) this.flow();
+    if (this.bytes.full || !this.window.sized || grow) this.flow();
   }
 
   /** The body of a message the bridge no longer holds leaves the byte count. */
@@ -286,8 +344,9 @@ export class SourceQueue {
       const current = this.window.window;
       const grow =
         this.window.sized &&
-        bytes.count === 0 &&
-        (next >= 2 * current || (next === this.prefetch && current < next));
+        (bytes.takesAll
+          ? this.delivered >= current && next > current
+          : bytes.count === 0 && (next >= 2 * current || (next === this.prefetch && current < next)));
       if (!pause && !size && !grow) return;
       this.paused = true;
       this.consumerTag = undefined;
@@ -427,12 +486,71 @@ export class SourceQueue {
     acks.unsettled.delete(message.fields.deliveryTag);
     try {
       channel.nack(message, false, requeue);
+      if (requeue) this.countReturn(message);
       // The acks held behind this message may now be covered by one `multiple` ack.
       if (acks.ready.size > 0) this.flushSoon(channel, acks);
       return true;
     } catch {
       return false;
     }
+  }
+
+  /** Whether the message's delivery is still ours to settle (its channel is the live one). */
+  holds(message: ConsumeMessage): boolean {
+    return this.liveChannelOf(message) !== undefined;
+  }
+
+  /**
+   * The delivery limit the broker applies: what the management API showed, or on RabbitMQ 4 and
+   * later, where every quorum queue has one, its default of 20 when the queue sets none.
+   */
+  private get knownLimit(): SourceDeliveryLimit | undefined {
+    const shown = this.deliveryLimit;
+    if (shown?.limit === null && this.type === 'quorum' && (this.brokerMajor ?? 4) >= 4)
+      return { ...shown, limit: 20, from: 'the default of RabbitMQ 4' };
+    return shown;
+  }
+
+  /** One return to a queue that counts deliveries: remembered for the warning at close. */
+  private countReturn(message: ConsumeMessage | undefined): void {
+    if (!this.countsDeliveries) return;
+    this.givenBack++;
+    const limit = this.knownLimit?.limit;
+    if (limit === null || limit === undefined || message === undefined) return;
+    // A quorum queue says how often a message came back before (x-delivery-count, RabbitMQ 3.x).
+    const before = Number(message.properties.headers?.['x-delivery-count'] ?? 0);
+    if (before + 1 > limit) this.givenBackPastLimit++;
+  }
+
+  /**
+   * Once, when the consumer closes: how many messages went back to a queue that counts each return
+   * toward a delivery limit (none are returned while the route runs: see the pipeline's requeue
+   * policy and the byte bound; these are the ones held when it stopped).
+   */
+  private warnGivenBack(unsettled: number): void {
+    if (!this.countsDeliveries) return;
+    this.givenBack += unsettled;
+    const given = this.givenBack;
+    const past = this.givenBackPastLimit;
+    this.givenBack = 0;
+    this.givenBackPastLimit = 0;
+    if (given === 0) return;
+    const known = this.knownLimit;
+    if (known?.limit === null) return;
+    const what = this.type === 'quorum' ? 'quorum queue' : `queue (type ${this.type ?? 'unknown'})`;
+    const limit =
+      known === undefined
+        ? 'whose delivery limit is not known (give --source-management to read it; RabbitMQ 4 sets 20 on every quorum queue by default)'
+        : `whose delivery limit is ${known.limit} (${known.from})`;
+    const whereTo =
+      known?.deadLetterExchange === undefined
+        ? 'the broker drops them'
+        : `the broker dead-letters them to exchange "${known.deadLetterExchange}"`;
+    const crossed = past > 0 ? `; ${past} of them reached it with this return: ${whereTo}` : '';
+    this.log.warn(
+      { queue: this.queue, givenBack: given, deliveryLimit: known?.limit ?? null, pastLimit: past },
+      `gave back ${given} message(s) held when the route stopped to ${what} "${this.queue}", ${limit}: each return counts one delivery toward it${crossed}`,
+    );
   }
 
   private liveChannelOf(message: ConsumeMessage): Channel | undefined {
@@ -537,6 +655,8 @@ export class SourceQueue {
   async closeConsumer(): Promise<void> {
     const channel = this.channel;
     this.sendHeldAcks();
+    // What is still unacked on it goes back with the close: one delivery each, counted too.
+    this.warnGivenBack(channel ? this.acksOf(channel).unsettled.size : 0);
     this.channel = undefined;
     if (channel) await channel.close().catch(() => {});
   }
@@ -546,6 +666,57 @@ export async function openChannel(connection: ChannelModel, log: Logger): Promis
   const channel = await connection.createChannel();
   channel.on('error', (error: Error) => log.debug({ error: error.message }, 'channel error'));
   return channel;
+}
+
+/**
+ * The queue's type, read without the management API: a basic.consume with the consumer argument
+ * `x-stream-offset` on a throwaway channel. A stream takes it (the consumer is dropped with the
+ * channel; a stream counts no deliveries); any other queue refuses it with PRECONDITION_FAILED
+ * "invalid arg 'x-stream-offset' for queue 'Q' in vhost '/' of queue type rabbit_quorum_queue"
+ * (rabbit_classic_queue for a classic one; RabbitMQ 3.10 to 4.x) and delivers nothing. Anything
+ * else is 'unknown'.
+ */
+async function queueTypeOf(connection: ChannelModel, queue: string, log: Logger): Promise<SourceQueueType> {
+  let channel: Channel;
+  try {
+    channel = await openChannel(connection, log);
+  } catch {
+    return 'unknown';
+  }
+  try {
+    await channel.prefetch(1);
+    await channel.consume(queue, () => {}, {
+      noAck: false,
+      arguments: { 'x-stream-offset': 'first' },
+    });
+    return 'stream';
+  } catch (error) {
+    const named = /of queue type rabbit_(\w+?)_queue/.exec(error instanceof Error ? error.message : '');
+    return replyCodeOf(error) === 406 && named?.[1] ? named[1] : 'unknown';
+  } finally {
+    // A refusal closed the channel already; a stream consumer goes with it.
+    await channel.close().catch(() => {});
+  }
+}
+
+/**
+ * The source queue's type (see queueTypeOf); a stream is refused: it is not consumed as a queue is
+ * (a consumer starts from an offset, and nothing it acks leaves the stream).
+ */
+export async function sourceQueueTypeOf(
+  connection: ChannelModel,
+  queue: string,
+  where: string,
+  log: Logger,
+): Promise<SourceQueueType> {
+  const type = await queueTypeOf(connection, queue, log);
+  log.debug({ queue, type }, 'source queue type');
+  if (type === 'stream') {
+    throw new FatalConnectError(
+      `--source-queue: queue "${queue}" on the ${where} is a stream; a stream source is not supported yet (it needs an offset stored per route, which a later version takes as --source-offset); nothing was consumed: give a classic or quorum queue`,
+    );
+  }
+  return type;
 }
 
 /** Fails with an operator's message when the queue is missing (the check closes the channel then). */

@@ -72,14 +72,18 @@ export async function startBridge(
   const routeLog = log.child({ route: settings.route });
   const sourceWhere = `source broker at ${redactUrl(settings.sourceUrl)}`;
   const targetWhere = `target broker at ${redactUrl(settings.targetUrl)}`;
+  // No more deliveries than --max-messages lets this run take: one past it is returned, and a
+  // quorum queue counts that return toward its delivery limit.
+  const prefetch = Math.max(1, Math.min(settings.prefetch, limits.budget?.remaining ?? settings.prefetch));
   const source = new SourceQueue(
     settings.sourceQueue,
-    settings.prefetch,
+    prefetch,
     settings.parkQueue,
     sourceWhere,
     routeLog,
     new InFlightBytes(settings.maxInFlightBytes),
   );
+  source.deliveryLimit = settings.sourceDeliveryLimit;
   const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
   const sourceLink = new AmqpLink(
     settings.sourceUrls,

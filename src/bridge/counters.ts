@@ -1,6 +1,6 @@
 /** Counts of source messages by what happened to them; one set per route. */
 export interface RouteCounters {
-  /** Deliveries taken from the source queue (a requeued message counts each time it comes back). */
+  /** Deliveries taken from the source queue (a message the broker delivers again counts again). */
   consumed: number;
   /** Published and confirmed by the target, then acked (in-doubt ones included). */
   forwarded: number;
@@ -16,8 +16,11 @@ export interface RouteCounters {
   parked: number;
   /** Handed to the source queue's dead-letter exchange. */
   deadLettered: number;
-  /** Returned to the source queue to be retried later. */
-  requeued: number;
+  /**
+   * Retries the bridge made itself of messages the target refused (or returned as unroutable): it
+   * holds them unacked and publishes them again after a backoff, never returning them to the source.
+   */
+  retried: number;
   /** Given back to the source unforwarded because the bridge stopped (or a stop ran out of time). */
   returned: number;
   /** Had no ID under any `--id-from` strategy. */
@@ -52,7 +55,7 @@ export function newCounters(): RouteCounters {
     nacked: 0,
     parked: 0,
     deadLettered: 0,
-    requeued: 0,
+    retried: 0,
     returned: 0,
     noId: 0,
     unforwardable: 0,

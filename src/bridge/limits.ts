@@ -95,6 +95,16 @@ export class InFlightBytes {
   private returnedSizes: number[] = [];
   /** The next delivery is a new consumer's first (see consumerStarted). */
   private firstOfConsumer = false;
+  /**
+   * Set when nothing can be returned to the source queue (a queue that counts deliveries, see
+   * SourceQueue.deliver): what the broker sends is taken, so the window is all that bounds the
+   * bytes past the bound. Then it is sized for the largest body the route has seen, not only the
+   * largest since nothing was last held, and opens twofold per new consumer, from one (the
+   * source consumer starts a new one each time the last one's window was delivered).
+   */
+  takesAll = false;
+  /** The window of the live consumer (for takesAll's growth). */
+  private lastWindow = 0;
 
   constructor(readonly bound: number) {}
 
@@ -130,7 +140,7 @@ export class InFlightBytes {
     this.held -= size;
     this.count--;
     if (this.count === 0) {
-      this.largestBefore = this.largest;
+      this.largestBefore = this.takesAll ? Math.max(this.largest, this.largestBefore) : this.largest;
       this.largest = 0;
     }
   }
@@ -141,7 +151,7 @@ export class InFlightBytes {
 
   /** The body size the next deliveries are expected to have (0: none seen yet). */
   private get typical(): number {
-    return this.count === 0 ? Math.max(this.largest, this.largestBefore) : this.largest;
+    return this.count === 0 || this.takesAll ? Math.max(this.largest, this.largestBefore) : this.largest;
   }
 
   /**
@@ -167,12 +177,18 @@ export class InFlightBytes {
     const typical = this.typical;
     if (typical === 0) return { window: 1, sized: false };
     const fit = Math.floor((this.bound - this.held) / typical);
-    return { window: Math.min(most, Math.max(1, fit)), sized: true };
+    const window = Math.min(most, Math.max(1, fit));
+    // What the broker sends is taken (takesAll): a window opens twofold at a time, from one.
+    return {
+      window: this.takesAll ? Math.min(window, Math.max(1, 2 * this.lastWindow)) : window,
+      sized: true,
+    };
   }
 
   /** A consumer starts with the window windowFor gave (see admit). */
-  consumerStarted(): void {
+  consumerStarted(window = 0): void {
     this.firstOfConsumer = true;
+    this.lastWindow = window;
   }
 
   /** Whether a body was seen since the last drain or before it (a window can be sized). */

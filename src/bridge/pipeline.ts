@@ -43,7 +43,7 @@ export interface RouteSettings {
   leaseMs: number;
   onUnroutable: UnroutablePolicy;
   parkQueue: string | undefined;
-  /** Backoff before a failed message is returned to the source queue. */
+  /** Backoff before the bridge retries a message the target refused (it holds it meanwhile). */
   requeueDelay: { initialMs: number; maxMs: number };
   /** Names this route (source cluster, vhost and queue) in the `x-dedup-route` mark of what it forwards. */
   routeMark: string;
@@ -135,8 +135,11 @@ export class Pipeline {
   onLatency: (stage: LatencyStage, seconds: number, messages: number) => void = () => {};
   /** Messages delivered to us and not yet acked or returned. */
   private held = 0;
-  /** Of those, messages waiting out a backoff before they go back to the source. */
-  private waitingToRequeue = 0;
+  /**
+   * Of those, messages the target refused (or that cannot be forwarded), held to be retried after
+   * a backoff: from their first failure until they are forwarded or given back.
+   */
+  private readonly retrying = new Set<Entry>();
   private lastProgressAt = Date.now();
   private failuresSinceProgress = 0;
 
@@ -205,17 +208,14 @@ export class Pipeline {
   }
 
   /**
-   * True when nothing is being forwarded and what we hold is messages that failed and wait to go
-   * back to the source (and copies of their IDs waiting behind them).
+   * True when what we hold is messages that failed and are being retried (and copies of their IDs
+   * waiting behind them): nothing else is being forwarded.
    */
   get onlyFailuresHeld(): boolean {
-    return (
-      this.held > 0 &&
-      this.waitingToRequeue > 0 &&
-      this.active.size === 0 &&
-      this.batch.length === 0 &&
-      this.claimed.size === 0
-    );
+    if (this.held === 0 || this.retrying.size === 0) return false;
+    let behind = 0;
+    for (const waiting of this.inFlight.values()) behind += waiting.length;
+    return this.held === this.retrying.size + behind;
   }
 
   /** When a message was last forwarded, skipped as a duplicate, parked or dead-lettered. */
@@ -761,17 +761,32 @@ export class Pipeline {
       this.settings.requeueDelay.initialMs,
       this.settings.requeueDelay.maxMs,
     );
+    // Held, not returned to the source: RabbitMQ puts a returned message back at the head of the
+    // queue and delivers it again at once, so a return buys no time, and a quorum queue counts it
+    // toward its delivery limit, past which the broker drops the message. A message with an ID goes
+    // through claim → publish again after the backoff (it stays the leading copy of its ID; its
+    // claim was released); one without (no ID, unreadable, a loop) can never be forwarded and stays
+    // held until the route stops, when it is given back once, like every message held then.
+    const again = entry.key !== undefined;
     this.perMessage.warn(
       { ...named, reason: why, attempt, delayMs: delay },
-      'message not forwarded; it goes back to the source queue after a backoff',
+      again
+        ? 'message not forwarded; the bridge holds it unacked and retries it after a backoff'
+        : 'message not forwarded; the bridge holds it unacked until the route stops, then gives it back to the source queue',
     );
-    this.waitingToRequeue++;
-    const requeue = (held: Entry) => {
-      this.waitingToRequeue--;
-      this.counters.requeued++;
-      this.settle(held, () => this.source.nack(held.message, true));
+    this.retrying.add(entry);
+    const retry = (held: Entry) => {
+      if (!this.source.holds(held.message)) {
+        // Its channel is gone: the broker put it back in the queue, and delivers it again.
+        this.settle(held, () => false);
+      } else if (held.key === undefined) {
+        this.later(this.settings.requeueDelay.maxMs, [held], retry, (gone) => this.giveBack(gone));
+      } else {
+        this.counters.retried++;
+        this.enqueue(held);
+      }
     };
-    this.later(delay, [entry], requeue, requeue);
+    this.later(delay, [entry], retry, (held) => this.giveBack(held));
   }
 
   private rememberRetry(key: string, attempt: number): void {
@@ -813,6 +828,7 @@ export class Pipeline {
   private settle(entry: Entry, respond: () => boolean): void {
     respond();
     this.held--;
+    this.retrying.delete(entry);
     if (entry.leading && entry.key !== undefined) {
       entry.leading = false;
       const waiting = this.inFlight.get(entry.key) ?? [];

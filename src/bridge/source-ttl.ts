@@ -1,5 +1,5 @@
 import { formatDuration, parseDuration } from '../config/duration.js';
-import { type BridgeSettings, DEFAULTS } from '../config/settings.js';
+import { type BridgeSettings, DEFAULTS, type SourceDeliveryLimit } from '../config/settings.js';
 import { ConfigError, UnavailableError } from '../errors.js';
 import { type QueueShape, readQueueShape } from '../migrate/topology.js';
 import type { Logger } from '../observe/log.js';
@@ -90,6 +90,8 @@ export async function sourceTtlWarnings(
       log.debug({ queue: route.sourceQueue, messageTtlMs: ttl?.ms ?? null }, 'source queue TTL read');
       const warning = windowWarning(route.sourceQueue, ttl, route.dedupWindowMs);
       if (warning) warnings.push(warning);
+      // Kept for the bridge: what it gives back at a stop counts toward this limit (see SourceQueue).
+      route.sourceDeliveryLimit = deliveryLimitOf(shape);
       const noDeadLetter = deadLetterProblem(route, shape);
       if (noDeadLetter) throw new ConfigError(noDeadLetter);
     } catch (error) {
@@ -100,6 +102,27 @@ export async function sourceTtlWarnings(
     }
   }
   return warnings;
+}
+
+/**
+ * A quorum queue's delivery limit: its x-delivery-limit argument or its policy's delivery-limit,
+ * the lower when both are set, and where a message past it goes. Undefined for a classic queue
+ * (it counts no deliveries); a stream is refused at start.
+ */
+export function deliveryLimitOf(shape: QueueShape): SourceDeliveryLimit | undefined {
+  if (shape.type === 'classic' || shape.type === 'stream') return undefined;
+  const candidates: { limit: number; from: string }[] = [];
+  const argument = millis(shape.arguments['x-delivery-limit']);
+  if (argument !== undefined) candidates.push({ limit: argument, from: 'x-delivery-limit' });
+  const policy = millis(shape.policy['delivery-limit']);
+  if (policy !== undefined) candidates.push({ limit: policy, from: 'policy delivery-limit' });
+  const lowest = candidates.sort((a, b) => a.limit - b.limit)[0];
+  const exchange = shape.arguments['x-dead-letter-exchange'] ?? shape.policy['dead-letter-exchange'];
+  return {
+    limit: lowest?.limit ?? null,
+    from: lowest?.from ?? 'none set',
+    deadLetterExchange: typeof exchange === 'string' ? exchange : undefined,
+  };
 }
 
 /**

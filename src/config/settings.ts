@@ -63,6 +63,16 @@ export interface RawOptions extends TlsRawOptions {
   metricsHost?: string;
 }
 
+/** What the management API said of a source queue's delivery limit (a quorum queue's). */
+export interface SourceDeliveryLimit {
+  /** The lower of x-delivery-limit and the policy's delivery-limit; null: neither is set. */
+  limit: number | null;
+  /** What set it, for the log line. */
+  from: string;
+  /** Where the broker puts a message past it ('' the default exchange); undefined: it drops it. */
+  deadLetterExchange: string | undefined;
+}
+
 export interface BridgeSettings {
   /** Names the route in logs and metrics: the source queue, or the route's name in a config file. */
   route: string;
@@ -74,6 +84,11 @@ export interface BridgeSettings {
   sourceManagementUrl?: string;
   /** The CA file to trust for an https sourceManagementUrl (default: the system's CAs). */
   sourceManagementCa?: string;
+  /**
+   * The source queue's delivery limit as its management API showed it at start (set by the start
+   * checks, see bridge/source-ttl.ts); undefined when not read (no management API, a classic queue).
+   */
+  sourceDeliveryLimit?: SourceDeliveryLimit;
   sourceQueue: string;
   /** The first of targetUrls. */
   targetUrl: string;

@@ -24,7 +24,8 @@ export interface QueueReport {
   nacked: number;
   parked: number;
   deadLettered: number;
-  requeued: number;
+  /** Retries the bridge made itself of refused or unroutable messages (held, never returned). */
+  retried: number;
   returned: number;
   noId: number;
   /**
@@ -69,7 +70,7 @@ const COUNTS = [
   'nacked',
   'parked',
   'deadLettered',
-  'requeued',
+  'retried',
   'returned',
   'noId',
   'badIdHeader',
@@ -111,7 +112,8 @@ export function buildQueueReport(input: {
   const { counters } = input;
   const seconds = Math.max(input.elapsedMs, 1) / 1000;
   const handled = handledOf(counters);
-  const settled = handled + counters.requeued + counters.returned;
+  // A retried message is still held by the bridge: it ends forwarded (or another outcome) or returned.
+  const settled = handled + counters.returned;
   const activeMs = spanLength(input.active === undefined ? [] : [input.active]);
   return {
     sourceQueue: input.settings.sourceQueue,
@@ -125,7 +127,7 @@ export function buildQueueReport(input: {
     nacked: counters.nacked,
     parked: counters.parked,
     deadLettered: counters.deadLettered,
-    requeued: counters.requeued,
+    retried: counters.retried,
     returned: counters.returned,
     noId: counters.noId,
     badIdHeader: counters.badIdHeader,

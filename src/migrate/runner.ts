@@ -1,6 +1,6 @@
 import { writeFile } from 'node:fs/promises';
 import { connectAmqp } from '../amqp/connect.js';
-import { checkExchangeExists, checkQueueExists } from '../amqp/source.js';
+import { checkExchangeExists, checkQueueExists, sourceQueueTypeOf } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { MessageBudget, TokenBucket } from '../bridge/limits.js';
 import type { MigrateSettings } from '../config/migrate-settings.js';
@@ -241,6 +241,8 @@ async function checkTopology(routes: BridgeSettings[], log: Logger, stop?: Abort
         const channel = await connection.createChannel();
         channel.on('error', () => {});
         if (queue !== undefined) await checkQueueExists(channel, queue, where, `--${side}-queue`);
+        // A stream is refused before anything moves (see sourceQueueTypeOf).
+        if (side === 'source') await sourceQueueTypeOf(connection, route.sourceQueue, where, log);
         else if (route.targetExchange !== '') await checkExchangeExists(channel, route.targetExchange, where);
         await channel.close().catch(() => {});
       }

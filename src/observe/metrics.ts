@@ -11,7 +11,11 @@ const PREFIX = 'dedup_bridge_';
  * list follows this table.
  */
 const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
-  ['consumed', 'consumed_total', 'Deliveries taken from the source queue (a requeued message counts again)'],
+  [
+    'consumed',
+    'consumed_total',
+    'Deliveries taken from the source queue (a message delivered again counts again)',
+  ],
   [
     'forwarded',
     'forwarded_total',
@@ -27,7 +31,11 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
   ['nacked', 'refused_total', 'Publishes the target refused (basic.nack)'],
   ['parked', 'parked_total', 'Messages moved to the park queue'],
   ['deadLettered', 'dead_lettered_total', "Messages handed to the source queue's dead-letter exchange"],
-  ['requeued', 'requeued_total', 'Messages returned to the source queue to be retried'],
+  [
+    'retried',
+    'retried_total',
+    'Retries of refused or unroutable messages, held by the bridge and published again after a backoff',
+  ],
   ['redelivered', 'redelivered_total', 'Deliveries the source broker marked as redelivered'],
   ['noId', 'no_id_total', 'Messages without an ID under any --id-from strategy'],
   [

@@ -1,0 +1,233 @@
+import { describe, expect, it } from 'vitest';
+import { FaultProxy } from '../harness/proxy.js';
+import {
+  countDelivery,
+  declareQueue,
+  depthOf,
+  idText,
+  metricsUrl,
+  migrateArgs,
+  migrateWithReport,
+  openBroker,
+  publishAll,
+  runArgs,
+  runCli,
+  sample,
+  servers,
+  startCli,
+  takeAll,
+  uniqueName,
+  waitFor,
+  withOption,
+} from '../helpers.js';
+
+// Issue 34, items 1 and 2: sources where a return is not free. A quorum queue counts every return
+// of a message toward its delivery limit and drops the message past it (RabbitMQ 4 gives every
+// quorum queue a limit); a stream is not consumed the way a queue is. Nothing the source handed to
+// the bridge may vanish, and no run may say `drained` / exit 0 when it did.
+
+const MiB = 1024 * 1024;
+
+const ids = (prefix: string, n: number) => Array.from({ length: n }, (_, i) => `${prefix}-${i}`);
+const exactly = (n: number) => ({ expected: n, received: n, lost: 0, duplicated: 0, unexpected: 0 });
+
+/** A quorum queue on the source with a delivery limit, holding one message per ID. */
+async function quorumSource(limit: number, messageIds: string[], body = (i: number) => `m${i}`) {
+  const { sourceUrl } = servers();
+  const source = uniqueName('qq-src');
+  await declareQueue(sourceUrl, source, {
+    arguments: { 'x-queue-type': 'quorum', 'x-delivery-limit': limit },
+  });
+  await publishAll(
+    sourceUrl,
+    source,
+    messageIds.map((id, i) => ({ body: body(i), options: { headers: { _HQ_DUPL_ID: id } } })),
+  );
+  expect(await depthOf(sourceUrl, source)).toBe(messageIds.length);
+  return source;
+}
+
+/** The `_HQ_DUPL_ID`s of every message in a queue (taken, acked). */
+async function idsIn(url: string, queue: string): Promise<string[]> {
+  return (await takeAll(url, queue)).map((message) => idText(message.properties.headers?._HQ_DUPL_ID));
+}
+
+/** The `_HQ_DUPL_ID`s a stream holds, read from its first offset (a stream keeps what it is read). */
+async function idsInStream(url: string, stream: string, expected: number): Promise<string[]> {
+  const broker = await openBroker(url);
+  const seen: string[] = [];
+  try {
+    await broker.channel.prefetch(100);
+    await broker.channel.consume(
+      stream,
+      (message) => {
+        if (!message) return;
+        seen.push(idText(message.properties.headers?._HQ_DUPL_ID));
+        broker.channel.ack(message);
+      },
+      { noAck: false, arguments: { 'x-stream-offset': 'first' } },
+    );
+    await waitFor(() => seen.length >= expected, 10_000);
+    // Anything past what was expected would show in the count.
+    await new Promise((resolve) => setTimeout(resolve, 300));
+  } finally {
+    await broker.close();
+  }
+  return seen;
+}
+
+describe('a quorum source with a delivery limit loses nothing', () => {
+  it('100 unroutable, x-delivery-limit 2, default requeue policy: migrate stalls (exit 1) and all 100 stay in the source', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = ids('unroutable', 100);
+    const source = await quorumSource(2, all);
+    const target = uniqueName('dst');
+    await declareQueue(targetUrl, target);
+    // Every publish is unroutable: the default exchange has no queue of this name.
+    const missing = uniqueName('no-such-queue');
+    const run = await migrateWithReport(
+      migrateArgs(
+        source,
+        ['--target-exchange', '', '--target-routing-key', missing],
+        '--retry-for',
+        '3s',
+        // So that the bridge knows the limit, and says what its one return at the stop costs.
+        '--source-management',
+        servers().sourceManagementUrl,
+      ),
+    );
+    process.stdout.write(`report: ${JSON.stringify(run.report)}\n`);
+    expect(run.code, run.stderr).toBe(1);
+    expect(run.stderr.trim().split('\n').at(-1)).toMatch(
+      /100 message\(s\) could not be forwarded .*they stay in the source queue/,
+    );
+    expect(run.report).toMatchObject({ outcome: 'stalled', forwarded: 0, remaining: 100, returned: 100 });
+    // Each was retried by the bridge itself, not returned to the source while it ran.
+    expect(Number(run.report?.unroutable)).toBeGreaterThanOrEqual(100);
+    expect(Number(run.report?.consumed)).toBe(100);
+    // Given back once, when the route stopped: the log says so, with the limit.
+    expect(run.stdout).toMatch(
+      new RegExp(
+        `gave back 100 message\\(s\\) held when the route stopped to quorum queue \\\\"${source}\\\\", whose delivery limit is 2 \\(x-delivery-limit\\): each return counts one delivery toward it"`,
+      ),
+    );
+    expect(countDelivery('back in the source', all, await idsIn(sourceUrl, source))).toEqual(exactly(100));
+    expect(await depthOf(targetUrl, target)).toBe(0);
+  }, 120_000);
+
+  it('a full target (x-max-length 10, reject-publish), x-delivery-limit 3, 50 messages: 10 on the target and 40 in the source, exit 1', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = ids('full', 50);
+    const source = await quorumSource(3, all);
+    const target = uniqueName('dst-full');
+    await declareQueue(targetUrl, target, {
+      arguments: { 'x-max-length': 10, 'x-overflow': 'reject-publish' },
+    });
+    // Long enough for the old returns (after 1, 2 and 4 s of backoff) to pass the limit of 3.
+    const run = await migrateWithReport(
+      migrateArgs(source, ['--target-queue', target], '--retry-for', '10s'),
+    );
+    process.stdout.write(`report: ${JSON.stringify(run.report)}\n`);
+    expect(run.code, run.stderr).toBe(1);
+    expect(run.report).toMatchObject({ outcome: 'stalled', forwarded: 10, remaining: 40 });
+    expect(Number(run.report?.nacked)).toBeGreaterThanOrEqual(40);
+    const onTarget = await idsIn(targetUrl, target);
+    const inSource = await idsIn(sourceUrl, source);
+    expect(onTarget).toHaveLength(10);
+    expect(inSource).toHaveLength(40);
+    // Each of the 50 once, on one broker or the other.
+    expect(countDelivery('target + source', all, [...onTarget, ...inSource])).toEqual(exactly(50));
+  }, 120_000);
+
+  it('--max-in-flight-bytes 1MiB, 200 bodies of 1 KiB to 600 KiB, x-delivery-limit 0: all 200 forwarded once, drained, exit 0', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = ids('bytes', 200);
+    // Sizes spread over 1 KiB - 600 KiB (a fixed sequence, so each run sends the same).
+    const sizes = all.map((_, i) => 1024 + ((i * 7919 * 613) % (599 * 1024)));
+    const source = await quorumSource(0, all, (i) => Buffer.alloc(sizes[i] as number, i % 251).toString());
+    const target = uniqueName('dst-bytes');
+    await declareQueue(targetUrl, target);
+    // A target line slower than the source, so that bodies pile up in the bridge.
+    const proxy = FaultProxy.forUrl(targetUrl);
+    await proxy.start();
+    proxy.setRate(32 * MiB);
+    try {
+      const bridge = startCli([
+        ...withOption(migrateArgs(source, ['--target-queue', target]), '--target', proxy.urlFor(targetUrl)),
+        '--max-in-flight-bytes',
+        '1MiB',
+        '--metrics-port',
+        '0',
+      ]);
+      const url = await metricsUrl(bridge);
+      // The most bytes the route held at once, as its metrics last said it before it exited.
+      let peak = 0;
+      let finished = false;
+      void bridge.done.then(() => {
+        finished = true;
+      });
+      while (!finished) {
+        const scrape = await fetch(`${url}/metrics`)
+          .then((response) => response.text())
+          .catch(() => '');
+        peak = Math.max(peak, sample(scrape, 'dedup_bridge_in_flight_bytes_peak', { route: source }) ?? 0);
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+      const result = await bridge.done;
+      process.stdout.write(`peak in flight seen: ${(peak / MiB).toFixed(2)} MiB with a 1 MiB bound\n`);
+      expect(result.code, result.stderr).toBe(0);
+      expect(result.stderr).toMatch(/drained/);
+      expect(countDelivery('on the target', all, await idsIn(targetUrl, target))).toEqual(exactly(200));
+      expect(await depthOf(sourceUrl, source)).toBe(0);
+      // Nothing can be returned to this queue: the bound is passed by what one window brought.
+      expect(peak).toBeGreaterThan(0);
+      expect(peak).toBeLessThanOrEqual(3 * MiB);
+    } finally {
+      await proxy.stop();
+    }
+  }, 180_000);
+});
+
+describe('a stream as the source is refused at start (until stream sources are supported)', () => {
+  async function streamSource(n: number) {
+    const { sourceUrl } = servers();
+    const stream = uniqueName('stream-src');
+    await declareQueue(sourceUrl, stream, { arguments: { 'x-queue-type': 'stream' } });
+    const all = ids('stream', n);
+    await publishAll(
+      sourceUrl,
+      stream,
+      all.map((id, i) => ({ body: `s${i}`, options: { headers: { _HQ_DUPL_ID: id } } })),
+    );
+    return { stream, all };
+  }
+
+  it('migrate and run on a stream holding 100: exit 2, one line naming --source-offset, nothing forwarded', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const { stream, all } = await streamSource(100);
+    const target = uniqueName('dst-stream');
+    await declareQueue(targetUrl, target);
+    const refusal = new RegExp(
+      `^dedup-bridge: --source-queue: queue "${stream}" on the source broker at \\S+ is a stream; a stream source is not supported yet .*--source-offset.*$`,
+    );
+
+    const migrated = await migrateWithReport(migrateArgs(stream, ['--target-queue', target]));
+    process.stdout.write(`migrate stderr: ${migrated.stderr}`);
+    expect(migrated.code, migrated.stderr).toBe(2);
+    expect(migrated.stderr.trim().split('\n')).toEqual([expect.stringMatching(refusal)]);
+    expect(migrated.stderr).not.toMatch(/\n\s+at /);
+    expect(migrated.report).toMatchObject({ outcome: 'refused', consumed: 0, forwarded: 0 });
+
+    const ran = await runCli(runArgs(stream, ['--target-queue', target]));
+    process.stdout.write(`run stderr: ${ran.stderr}`);
+    expect(ran.code, ran.stderr).toBe(2);
+    expect(ran.stderr.trim().split('\n')).toEqual([expect.stringMatching(refusal)]);
+    expect(ran.stderr).not.toMatch(/\n\s+at /);
+
+    expect(await depthOf(targetUrl, target)).toBe(0);
+    // The stream still holds all 100, each once.
+    expect(countDelivery('still in the stream', all, await idsInStream(sourceUrl, stream, 100))).toEqual(
+      exactly(100),
+    );
+  }, 120_000);
+});
