@@ -90,6 +90,8 @@ export class SourceQueue {
   private delivered = 0;
   /** True while the consumer is cancelled because the bodies held reached the byte bound. */
   private paused = false;
+  /** True while the bridge replaces its own consumer with one of another window (not a pause). */
+  private recreating = false;
   /** Set when a delivery was returned for the bound since the consumer started: it must pause. */
   private overflowed = false;
   /**
@@ -251,6 +253,7 @@ export class SourceQueue {
     this.consumerTag = reply.consumerTag;
     this.consumerSeq++;
     this.unlisted = 0;
+    this.log.debug({ window: window.window, consumer: this.consumerSeq }, 'source consumer started');
     // The broker's word on the new consumer at once, not at the next poll.
     void this.depth();
     this.flow();
@@ -349,12 +352,19 @@ export class SourceQueue {
           : bytes.count === 0 && (next >= 2 * current || (next === this.prefetch && current < next)));
       if (!pause && !size && !grow) return;
       this.paused = true;
+      // A new window, not a pause: the route goes on consuming, as readiness says (see consumption).
+      this.recreating = !pause;
       this.consumerTag = undefined;
       // What was delivered before the cancel stays ours to ack; nothing comes after its cancel-ok.
       await channel.cancel(tag).catch(() => {});
     }
-    this.returnUnread();
-    if (this.paused && bytes.mayResume && this.channel === channel) await this.startConsumer(channel, false);
+    try {
+      this.returnUnread();
+      if (this.paused && bytes.mayResume && this.channel === channel)
+        await this.startConsumer(channel, false);
+    } finally {
+      this.recreating = false;
+    }
   }
 
   /** Returns the deliveries that did not fit (see unread); the consumer is cancelled by now. */
@@ -399,9 +409,10 @@ export class SourceQueue {
       view !== undefined && view.channel === this.channel && now - view.sentAt <= BROKER_VIEW_MAX_AGE_MS;
     const answering = fresh(this.view);
     const seen = this.consumingView;
+    const live = this.consumerTag !== undefined || this.recreating;
     return {
-      consuming: this.consumerTag !== undefined && answering && fresh(seen) && seen.consumers > 0,
-      paused: this.paused && this.consumerTag === undefined && answering,
+      consuming: live && answering && fresh(seen) && seen.consumers > 0,
+      paused: this.paused && !this.recreating && this.consumerTag === undefined && answering,
     };
   }
 
@@ -572,7 +583,12 @@ export class SourceQueue {
       const ok = await probe.checkQueue(this.queue);
       const view = { messages: ok.messageCount, consumers: ok.consumerCount, sentAt, channel, consumer };
       this.view = view;
-      if (consumer !== undefined) this.consumingView = view;
+      // About the consumer it was asked for, and only while that one is still live: an answer that
+      // comes after our own cancel (the broker may take the cancel, on the consuming channel,
+      // before this passive declare, on the probe) says nothing about the consumer that follows.
+      if (consumer !== undefined && consumer === this.consumerSeq && this.consumerTag !== undefined) {
+        this.consumingView = view;
+      }
       this.checkListed(view);
       return ok.messageCount;
     } catch {

@@ -44,9 +44,20 @@ async function readiness(url: string, route: string): Promise<Readiness> {
 }
 
 /** A bridge whose source connection goes through `proxy`, serving metrics. */
-function bridgeThrough(proxy: FaultProxy, source: string, target: string, sourceUrl: string): RunningCli {
+function bridgeThrough(
+  proxy: FaultProxy,
+  source: string,
+  target: string,
+  sourceUrl: string,
+  extra: string[] = [],
+): RunningCli {
   const args = withOption(runArgs(source, ['--target-queue', target]), '--source', proxy.urlFor(sourceUrl));
-  return startCli([...args, '--metrics-port', '0', '--shutdown-timeout', '1s']);
+  return startCli([...args, '--metrics-port', '0', '--shutdown-timeout', '1s', ...extra]);
+}
+
+/** How many consumers the bridge started on the source so far (its debug log). */
+function consumersStarted(output: string): number {
+  return output.split('\n').filter((line) => line.includes('"msg":"source consumer started"')).length;
 }
 
 /** Polls until /readyz, the gauge and the broker agree; returns the last readiness seen. */
@@ -192,6 +203,70 @@ describe('readiness is what the source broker sees', () => {
       expect(again.agreed, `${JSON.stringify(again)}\n${bridge.output()}`).toBe(true);
       expect(bridge.output()).toContain('the broker lists no consumer on the queue');
       await forwardsAll('after-silent-drop', sourceUrl, source, targetUrl, target);
+    } finally {
+      bridge.signal('SIGTERM');
+      await bridge.done;
+      await proxy.stop();
+    }
+  }, 180_000);
+
+  // Issue 28: dedup_bridge_consuming read 0 on a loaded machine while the route worked. The bridge
+  // replaces its own consumer to change its window (the first body tells the size; basic.qos acts
+  // only on consumers started after it): between the cancel and the new consume-ok it had no
+  // consumer tag, and a passive declare asked before the cancel but answered after it listed none.
+  // Neither is a route that stopped consuming. A slow source link (300 ms each way) makes the
+  // change take seconds, so that samples every 50 ms see whatever it shows.
+  it('readiness and the consuming gauge hold steady while the bridge replaces its consumer with a wider window', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const proxy = FaultProxy.forUrl(sourceUrl);
+    await proxy.start();
+    const bridge = bridgeThrough(proxy, source, target, sourceUrl, ['--log-level', 'debug']);
+    try {
+      const url = await metricsUrl(bridge);
+      const ready = await untilAgreed(url, sourceUrl, source, 'ready');
+      expect(ready.agreed, JSON.stringify(ready)).toBe(true);
+      proxy.setDelay(300);
+      const consumersBefore = consumersStarted(bridge.output());
+      const ids = Array.from({ length: 200 }, (_, i) => `steady-${i}`);
+      await publishAll(
+        sourceUrl,
+        source,
+        ids.map((id) => ({ body: id, options: { messageId: id } })),
+      );
+      const samples: { status: number; consuming: number | undefined; paused: number | undefined }[] = [];
+      const received: string[] = [];
+      const started = Date.now();
+      let doneAt: number | undefined;
+      while (Date.now() - started < 60_000 && (doneAt === undefined || Date.now() - doneAt < 1500)) {
+        const ready = await fetch(`${url}/readyz`);
+        await ready.text();
+        const scrape = await (await fetch(`${url}/metrics`)).text();
+        samples.push({
+          status: ready.status,
+          consuming: sample(scrape, 'dedup_bridge_consuming', { route: source }),
+          paused: sample(scrape, 'dedup_bridge_consumer_paused', { route: source }),
+        });
+        for (const message of await takeAll(targetUrl, target))
+          received.push(idText(message.properties.messageId));
+        if (doneAt === undefined && received.length >= ids.length) doneAt = Date.now();
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+      expect(countDelivery('steady readiness', ids, received)).toMatchObject({
+        lost: 0,
+        duplicated: 0,
+        unexpected: 0,
+      });
+      // The bridge did replace its consumer while the samples were taken (the first body told the
+      // size, and the window of one opened).
+      const replaced = consumersStarted(bridge.output()) - consumersBefore;
+      const notReady = samples.filter((one) => one.status !== 200).length;
+      const notConsuming = samples.filter((one) => one.consuming !== 1 || one.paused !== 0).length;
+      process.stdout.write(
+        `steady readiness: ${samples.length} samples over ${Date.now() - started} ms, ${replaced} consumer(s) replaced; not ready in ${notReady}, not consuming (or paused) in ${notConsuming}\n`,
+      );
+      expect(replaced).toBeGreaterThan(0);
+      expect(notReady).toBe(0);
+      expect(notConsuming).toBe(0);
     } finally {
       bridge.signal('SIGTERM');
       await bridge.done;
