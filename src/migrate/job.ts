@@ -136,7 +136,7 @@ export async function migrateQueue(
       problem =
         `${settings.sourceQueue}: ${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
         `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID, ${pipeline.counters.unforwardable} unforwardable); ` +
-        `they stay in the source queue: ${stallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable)}`;
+        `they stay in the source queue: ${stallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable, pipeline.counters.nacked)}`;
     } else if (pipeline.heldCount === 0) {
       // Drained: the source is empty, nothing is in flight, and both stay so for the idle timeout.
       const depth = await readDepth();
@@ -310,8 +310,11 @@ function describeError(error: unknown): string {
 }
 
 /** What to do about messages that stay in the source queue: a size limit is the target's to raise. */
-function stallAdvice(sizeLimit: number | undefined, unroutable: number): string {
+function stallAdvice(sizeLimit: number | undefined, unroutable: number, nacked = 0): string {
   const setAside = 'or use --park-queue or --on-unroutable dead-letter';
+  if (sizeLimit === undefined && unroutable === 0 && nacked > 0) {
+    return `the target refuses them (a queue at its length limit with overflow reject-publish, say): make room on the target, ${setAside}`;
+  }
   if (sizeLimit === undefined) return `fix the target binding, ${setAside}`;
   const binding = unroutable > 0 ? ' (and fix the target binding for the unroutable ones)' : '';
   return `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit on the target${binding}, ${setAside} to set them aside`;

@@ -131,6 +131,10 @@ describe('a quorum source with a delivery limit loses nothing', () => {
     expect(run.code, run.stderr).toBe(1);
     expect(run.report).toMatchObject({ outcome: 'stalled', forwarded: 10, remaining: 40 });
     expect(Number(run.report?.nacked)).toBeGreaterThanOrEqual(40);
+    // The advice is about a target that refuses, not a binding.
+    expect(run.stderr.trim().split('\n').at(-1)).toMatch(
+      /40 message\(s\) could not be forwarded .*: the target refuses them \(a queue at its length limit with overflow reject-publish, say\): make room on the target, or use --park-queue/,
+    );
     const onTarget = await idsIn(targetUrl, target);
     const inSource = await idsIn(sourceUrl, source);
     expect(onTarget).toHaveLength(10);
