@@ -18,6 +18,8 @@ export interface Refusal {
    * after any wait for the connection, an alarm or a full buffer (undefined: no limit).
    */
   writeBy?: number;
+  /** Set when it is written (handed to the connection), not merely waiting to be. */
+  written?: boolean;
 }
 
 /** A body this many times the largest the target took is tried alone (see untried). */
@@ -237,6 +239,13 @@ export class TargetPublisher {
       this.behindTrial.push(() => this.send(exchange, routingKey, header, content, matchKey, note, answered));
       return;
     }
+    // Known to be refused: sent here, it would close the ordinary channel and put every publish in
+    // flight on it in doubt. (Alone on the trial channel it may still go: see publishAlone.)
+    if (this.sizeLimit !== undefined && content.length > this.sizeLimit) {
+      note.refusal = tooLargeDetail(content.length, this.sizeLimit);
+      answered('too-large');
+      return;
+    }
     if (this.untried(content.length)) {
       this.tryAlone(exchange, routingKey, header, content, matchKey, note, answered);
       return;
@@ -338,13 +347,8 @@ export class TargetPublisher {
       answered('fenced');
       return;
     }
-    // Known to be refused: sent, it would close the channel and put every publish behind it in doubt.
-    if (this.sizeLimit !== undefined && content.length > this.sizeLimit) {
-      note.refusal = tooLargeDetail(content.length, this.sizeLimit);
-      answered('too-large');
-      return;
-    }
     const closed = this.closedFlags.get(channel) as ChannelEnd;
+    note.written = true;
     const pending: Pending = { returned: false };
     this.pending.set(matchKey, pending);
     const settle = (outcome: PublishOutcome) => {
@@ -356,6 +360,8 @@ export class TargetPublisher {
       const ok = publishRaw(channel, exchange, routingKey, header, content, (error) => {
         if (!error) {
           if (content.length > this.provenSize) this.provenSize = content.length;
+          // Taken above the limit it told: the operator raised it. Unknown again until it refuses.
+          if (this.sizeLimit !== undefined && content.length > this.sizeLimit) this.sizeLimit = undefined;
           settle(pending.returned ? 'returned' : 'confirmed');
           return;
         }

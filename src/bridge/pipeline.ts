@@ -83,10 +83,13 @@ interface Entry {
   leaseUntil: number;
   /** Past this the message is not written to the target (see LEASE_WRITE_SHARE). */
   writeBy: number;
-  /** A publish of it is out and unanswered (see fenceWrites). */
+  /** A publish of it was sent and is unanswered (see fenceWrites; `written` once it is on its way). */
   outstanding: boolean;
+  written?: boolean;
   /** A copy of ours may be on the target: every later copy goes flagged, whatever the claim says. */
   doubt: boolean;
+  /** Confirmed, its commit sent: a renewal that finds no claim may have run after the commit. */
+  committing: boolean;
 }
 
 /** Why a message is refused; 'unreadable', 'unpublishable' and 'loop' come with the detail. */
@@ -300,6 +303,7 @@ export class Pipeline {
       writeBy: 0,
       outstanding: false,
       doubt: false,
+      committing: false,
     };
     let header: ContentHeader;
     try {
@@ -479,6 +483,9 @@ export class Pipeline {
       else if (outcome === 'nacked') refused.push([entry, 'nacked', entry.refusal]);
       else if (outcome === 'too-large') {
         tooLarge.add(entry);
+        // Retried (if it is) alone on the trial channel: the limit may have been raised meanwhile.
+        entry.suspect = Math.max(entry.suspect, 1);
+        this.rememberSuspect(entry.key as string);
         refused.push([entry, 'nacked', entry.refusal]);
       } else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
       else lost.push(entry);
@@ -499,6 +506,7 @@ export class Pipeline {
     }
 
     if (confirmed.length > 0) {
+      for (const entry of confirmed) entry.committing = true;
       this.settings.afterConfirm?.();
       const commitStarted = performance.now();
       const results = await this.commitSoon(confirmed.map((entry) => entry.key as string));
@@ -566,6 +574,7 @@ export class Pipeline {
       };
       entries.forEach((entry, index) => {
         entry.outstanding = true;
+        entry.written = false;
         const first = (outcome: PublishOutcome) => {
           if (outcome === 'lost' || outcome === 'killed' || outcome === 'discarded') {
             this.publishAgain(entry, outcome).then((again) => answered(index, again), reject);
@@ -622,6 +631,7 @@ export class Pipeline {
    * that a message the broker refuses that way (over its max_message_size, say) shows itself.
    */
   private publishOnce(entry: Entry): Promise<PublishOutcome> {
+    entry.written = false;
     return entry.suspect > 0 ? this.alone(() => this.publish(entry, true)) : this.publish(entry, false);
   }
 
@@ -868,6 +878,8 @@ export class Pipeline {
         entries.forEach((entry, index) => {
           // Settled meanwhile, or claimed anew after this renewal was asked for: not its answer.
           if (!this.claimed.has(entry) || entry.claimedAt > askedAt) return;
+          // Its commit (on its way) deletes the claim: "no longer ours" may only mean committed.
+          if (!renewed[index] && entry.committing) return;
           if (renewed[index]) {
             entry.leaseUntil = Math.max(entry.leaseUntil, askedAt + leaseMs);
             entry.writeBy = entry.leaseUntil - leaseMs * LEASE_WRITE_SHARE;
@@ -876,7 +888,7 @@ export class Pipeline {
           // No longer ours (taken over after ours ran out, or released): never written again
           // without a new claim. A publish already out may land beside the new owner's copy.
           lost++;
-          if (entry.outstanding) lostOut++;
+          if (entry.outstanding && entry.written) lostOut++;
           entry.leaseUntil = 0;
           entry.writeBy = 0;
         });
@@ -906,7 +918,9 @@ export class Pipeline {
     const resetAt = performance.now() + leaseMs * LEASE_RESET_SHARE;
     let expiring = 0;
     for (const entry of this.claimed) {
-      if (entry.outstanding && entry.leaseUntil < resetAt) expiring++;
+      // Written, not just waiting for the connection or a trial ahead of it: only those bytes can
+      // sit in a buffer and land late.
+      if (entry.outstanding && entry.written && entry.leaseUntil < resetAt) expiring++;
     }
     if (expiring > 0) {
       this.resetTarget(
