@@ -148,6 +148,10 @@ export class Pipeline {
   private renewing = false;
   /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
   private redisFailing = false;
+  /** When the current streak of failed Redis calls began (Date.now()); undefined once one succeeds. */
+  private failingSince: number | undefined;
+  /** The first line of the streak's last error (an error reply such as OOM). */
+  private lastRedisError: string | undefined;
   private suspects: Promise<void> = Promise.resolve();
   private stopping = false;
   /** Set when a stop ran out of time: publishes still waiting for the target give up. */
@@ -171,6 +175,16 @@ export class Pipeline {
     const renewEvery = Math.max(100, Math.floor(this.settings.leaseMs / 3));
     this.renewTimer = setInterval(() => this.renewLeases(), renewEvery);
     await this.source.consume((message) => this.receive(message));
+  }
+
+  /**
+   * Since when every Redis call of this route has failed (an error reply such as OOM or READONLY;
+   * while the connection is down calls wait instead), with the last error's first line; undefined
+   * while calls succeed. The bridge counts it as an outage for --retry-for.
+   */
+  get redisFailingSince(): { since: number; error: string } | undefined {
+    if (this.failingSince === undefined) return undefined;
+    return { since: this.failingSince, error: this.lastRedisError ?? 'no answer' };
   }
 
   /** The target's max_message_size, once it refused a message for being larger. */
@@ -827,6 +841,7 @@ export class Pipeline {
       if (this.abandoned) throw new Abandoned();
       try {
         const result = await call();
+        this.failingSince = undefined;
         if (this.redisFailing) {
           this.redisFailing = false;
           this.log.info({ what }, 'Redis answers again');
@@ -841,6 +856,9 @@ export class Pipeline {
             `Redis refused the ${what} call (${describe(error)}); give the user the ACL that docs/security.md, Least privilege, lists`,
           );
         }
+        // A streak of failures is an outage from its first (see redisFailingSince).
+        this.failingSince ??= Date.now();
+        this.lastRedisError = describe(error).split('\n')[0];
         // One line per outage, not one per batch in flight.
         if (!this.redisFailing) {
           this.redisFailing = true;

@@ -1,0 +1,200 @@
+import { rmSync } from 'node:fs';
+import { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { newRunDir, RedisServer } from '../harness/servers.js';
+import {
+  countDelivery,
+  depthOf,
+  migrateWithReport,
+  publishAll,
+  queuePair,
+  runCli,
+  servers,
+  takeAll,
+  waitFor,
+} from '../helpers.js';
+
+// Issue 34.4 and 34.5: a Redis that answers but refuses (full: OOM under noeviction) and a Redis
+// that forgets (FLUSHDB) under a running migration. Each test has a Redis of its own, started here,
+// since they fill it or empty it.
+
+let runDir: string;
+let redis: RedisServer;
+let admin: Redis;
+
+beforeAll(async () => {
+  runDir = newRunDir();
+  redis = new RedisServer(runDir, 'trouble-redis');
+  await redis.start();
+  admin = new Redis(redis.url, { lazyConnect: true, maxRetriesPerRequest: 1 });
+  await admin.connect();
+});
+
+afterAll(async () => {
+  admin?.disconnect();
+  await redis?.stop();
+  if (runDir) rmSync(runDir, { recursive: true, force: true });
+});
+
+/** Full: at (here far past) maxmemory with noeviction, so Redis refuses every write with OOM. */
+async function fill(): Promise<void> {
+  await admin.config('SET', 'maxmemory-policy', 'noeviction');
+  await admin.config('SET', 'maxmemory', '1');
+}
+
+async function unfill(): Promise<void> {
+  await admin.config('SET', 'maxmemory', '0');
+}
+
+function messagesFor(prefix: string, count: number) {
+  return Array.from({ length: count }, (_, i) => ({
+    body: `${prefix} ${i}`,
+    options: { headers: { _HQ_DUPL_ID: `${prefix}-${i}` } },
+  }));
+}
+
+function migrateArgsTo(source: string, target: string, ...extra: string[]): string[] {
+  const { sourceUrl, targetUrl } = servers();
+  return [
+    'migrate',
+    '--source',
+    sourceUrl,
+    '--source-queue',
+    source,
+    '--target',
+    targetUrl,
+    '--target-queue',
+    target,
+    '--redis',
+    redis.url,
+    '--idle-timeout',
+    '300ms',
+    ...extra,
+  ];
+}
+
+const idsOf = (messages: { properties: { headers?: Record<string, unknown> } }[]) =>
+  messages.map((message) => String(message.properties.headers?._HQ_DUPL_ID));
+
+/** The lines the CLI wrote on stderr for itself (not the report's table). */
+const ownLines = (stderr: string) => stderr.split('\n').filter((line) => line.startsWith('dedup-bridge:'));
+
+describe('a full Redis (OOM under noeviction)', () => {
+  it('at start, migrate waits --retry-for, then one line and exit 1, not an internal error; nothing moves', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const messages = messagesFor(source, 20);
+    await publishAll(sourceUrl, source, messages);
+    await fill();
+    try {
+      const started = Date.now();
+      const result = await migrateWithReport(migrateArgsTo(source, target, '--retry-for', '2s'));
+      const seconds = (Date.now() - started) / 1000;
+      process.stdout.write(`oom at start (migrate): exit ${result.code} after ${seconds.toFixed(1)}s\n`);
+      expect(result.code).toBe(1);
+      expect(result.stderr).not.toMatch(/internal error|ReplyError|\n\s+at /);
+      const lines = ownLines(result.stderr);
+      expect(lines).toHaveLength(1);
+      expect(lines[0]).toMatch(
+        /^dedup-bridge: Redis at redis:\/\/127\.0\.0\.1:\d+ refused writes for [23]s \(OOM command not allowed when used memory > 'maxmemory'\) when taking the job lock, past --retry-for: it is full .*raise its maxmemory or free memory.*; nothing was moved: run again when it is back$/,
+      );
+      expect(seconds).toBeLessThan(20);
+      expect(result.report?.exitCode).toBe(1);
+    } finally {
+      await unfill();
+    }
+    expect(await depthOf(targetUrl, target)).toBe(0);
+    expect(await depthOf(sourceUrl, source)).toBe(messages.length);
+  });
+
+  it('at start, run --retry-for 2s: one line naming the dedup scope, exit 1', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    await publishAll(sourceUrl, source, messagesFor(source, 5));
+    await fill();
+    try {
+      const result = await runCli([
+        'run',
+        '--source',
+        sourceUrl,
+        '--source-queue',
+        source,
+        '--target',
+        targetUrl,
+        '--target-queue',
+        target,
+        '--redis',
+        redis.url,
+        '--retry-for',
+        '2s',
+      ]);
+      process.stdout.write(`oom at start (run): exit ${result.code}\n`);
+      expect(result.code).toBe(1);
+      expect(result.stderr).not.toMatch(/internal error|ReplyError|\n\s+at /);
+      expect(result.stderr.trim().split('\n')).toHaveLength(1);
+      expect(result.stderr).toMatch(
+        /^dedup-bridge: Redis at redis:\/\/127\.0\.0\.1:\d+ refused writes for [23]s \(OOM command not allowed when used memory > 'maxmemory'\) when opening the dedup scope, past --retry-for: /,
+      );
+    } finally {
+      await unfill();
+    }
+    expect(await depthOf(targetUrl, target)).toBe(0);
+    expect(await depthOf(sourceUrl, source)).toBe(5);
+  });
+
+  it('mid-run, migrate ends after --retry-for with exit 1 and the OOM line; nothing is lost, and a run after it completes', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const messages = messagesFor(source, 3000);
+    await publishAll(sourceUrl, source, messages);
+    const run = migrateWithReport(
+      migrateArgsTo(source, target, '--retry-for', '2s', '--prefetch', '100', '--max-rate', '600'),
+    );
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 300)).toBe(true);
+    await fill();
+    const atFault = await depthOf(targetUrl, target);
+    let result: Awaited<typeof run>;
+    try {
+      result = await run;
+    } finally {
+      await unfill();
+    }
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    const inSource = idsOf(await takeAll(sourceUrl, source));
+    process.stdout.write(
+      `oom mid-run: ${atFault} of ${messages.length} on the target when Redis filled; exit ${result.code}; ${onTarget.length} on the target, ${inSource.length} left in the source\n`,
+    );
+    // It struck mid-transfer.
+    expect(atFault).toBeGreaterThan(0);
+    expect(atFault).toBeLessThan(messages.length / 2);
+    expect(result.code).toBe(1);
+    expect(result.stderr).not.toMatch(/internal error|\n\s+at /);
+    const lines = ownLines(result.stderr);
+    expect(lines).toHaveLength(1);
+    expect(lines[0]).toMatch(
+      /^dedup-bridge: Redis at redis:\/\/127\.0\.0\.1:\d+ refused writes for \ds \(OOM command not allowed when used memory > 'maxmemory'\), past --retry-for: it is full .*raise its maxmemory or free memory.*; nothing unforwarded was acked: run again when it is back$/,
+    );
+    const report = result.report as Record<string, unknown>;
+    expect(report.outcome).toBe('failed');
+    expect(report.exitCode).toBe(1);
+    expect(String(report.problem)).toMatch(/refused writes for \ds \(OOM /);
+    // Nothing lost: each ID is on the target or still in the source.
+    const ids = messages.map((message) => message.options.headers._HQ_DUPL_ID);
+    const first = countDelivery('oom mid-run (target + source)', ids, [...onTarget, ...inSource]);
+    expect(first.lost).toBe(0);
+    expect(first.unexpected).toBe(0);
+    expect(inSource.length).toBeGreaterThan(0);
+    expect(report.forwarded).toBe(onTarget.length);
+
+    // Redis has room again: the next run forwards the rest, and no ID twice.
+    await publishAll(
+      sourceUrl,
+      source,
+      inSource.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
+    );
+    const again = await migrateWithReport(migrateArgsTo(source, target));
+    expect(again.code).toBe(0);
+    const rest = idsOf(await takeAll(targetUrl, target));
+    const total = countDelivery('oom mid-run, then run again', ids, [...onTarget, ...rest]);
+    expect(total.lost).toBe(0);
+    expect(total.duplicated).toBe(0);
+    expect(total.unexpected).toBe(0);
+  });
+});
