@@ -34,6 +34,10 @@ export interface RouteCounters {
   resentInDoubt: number;
   /** Commits that found our claim taken over by another owner (our lease ran out). */
   claimTakenOver: number;
+  /** Commits that found no record of the ID at all: Redis lost our claim (FLUSHDB, a restart). */
+  claimsLost: number;
+  /** Commits that found the ID committed already (by another process, or a commit sent again). */
+  alreadyCommitted: number;
 }
 
 export function newCounters(): RouteCounters {
@@ -55,5 +59,7 @@ export function newCounters(): RouteCounters {
     redelivered: 0,
     resentInDoubt: 0,
     claimTakenOver: 0,
+    claimsLost: 0,
+    alreadyCommitted: 0,
   };
 }

@@ -821,6 +821,7 @@ export class Pipeline {
           const results = await this.redis('commit', () =>
             this.cache.commit(group.flatMap((item) => item.keys)),
           );
+          this.noteCommits(results);
           let at = 0;
           for (const item of group) {
             item.resolve(results.slice(at, at + item.keys.length));
@@ -832,6 +833,35 @@ export class Pipeline {
       }
     } finally {
       this.committing = false;
+    }
+  }
+
+  /**
+   * Counts and logs the commits that found something other than our claim: no record at all (Redis
+   * lost the claim), or the ID committed already. Either can mean two copies on the target.
+   */
+  private noteCommits(results: readonly CommitResult[]): void {
+    let lost = 0;
+    let already = 0;
+    for (const result of results) {
+      if (result === 'restored') lost++;
+      else if (result === 'already') already++;
+    }
+    if (lost > 0) {
+      this.counters.claimsLost += lost;
+      this.perMessage.warn(
+        { claimsLost: lost },
+        `Redis had lost the claims of ${lost} confirmed message(s) (FLUSHDB, a restart or a failover without persistence): committed again, but duplicates are possible for what was in flight (another process may have claimed and forwarded the same IDs) and for IDs committed before the loss`,
+        'Redis had lost claims',
+      );
+    }
+    if (already > 0) {
+      this.counters.alreadyCommitted += already;
+      this.perMessage.warn(
+        { alreadyCommitted: already },
+        `${already} confirmed message(s) had their IDs committed already: another process forwarded them first (the target may hold two copies), or a commit was sent again after a reconnect`,
+        'IDs committed already',
+      );
     }
   }
 

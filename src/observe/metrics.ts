@@ -51,6 +51,16 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
     'claim_taken_over_total',
     'Commits that found the claim taken over after its lease ran out',
   ],
+  [
+    'claimsLost',
+    'claims_lost_total',
+    'Commits that found no record of their claim: Redis lost it (FLUSHDB, a restart or failover without persistence)',
+  ],
+  [
+    'alreadyCommitted',
+    'already_committed_total',
+    'Commits that found the ID committed already (another process first, or a commit sent again)',
+  ],
 ];
 
 // From a local Redis round trip (about a millisecond) to a broker under a resource alarm.
