@@ -250,6 +250,7 @@ export async function startBridge(
       leaseMs: settings.leaseMs,
       onUnroutable: settings.onUnroutable,
       parkQueue: settings.parkQueue,
+      stripCc: settings.stripCc,
       requeueDelay: settings.requeueDelay,
       routeMark: `${sourceLink.identity}/${settings.sourceQueue}`,
       budget,

@@ -21,6 +21,11 @@ const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value:
 // bridge sets it: made once, not per message.
 const REPLACED: readonly string[] = [IN_DOUBT_HEADER, SOURCE_USER_HEADER, ROUTE_HEADER];
 const REPLACED_WITH_ID: readonly string[] = [...REPLACED, DUPLICATE_ID_HEADER];
+// With --strip-cc also the sender-selected distribution headers: RabbitMQ routes a copy of the
+// message to each routing key they list, on the target as on the source.
+const CC_HEADERS: readonly string[] = ['CC', 'BCC'];
+const REPLACED_NO_CC: readonly string[] = [...REPLACED, ...CC_HEADERS];
+const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HEADERS];
 
 export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
@@ -51,6 +56,8 @@ export interface RouteSettings {
   budget: MessageBudget;
   /** Waits before publishing this many messages (migrate --max-rate). */
   throttle: ((count: number) => Promise<void>) | undefined;
+  /** Remove `CC` and `BCC` from the headers on forward (--strip-cc). */
+  stripCc: boolean;
   /** Test hook: called between a batch's confirms and its commit (the documented window). */
   afterConfirm: (() => void) | undefined;
 }
@@ -644,7 +651,13 @@ export class Pipeline {
     const header = entry.header as ContentHeader;
     // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
     // with the message is dropped, and set only from a user_id the source broker vouched for.
-    const remove = entry.idField ? REPLACED_WITH_ID : REPLACED;
+    const remove = this.settings.stripCc
+      ? entry.idField
+        ? REPLACED_WITH_ID_NO_CC
+        : REPLACED_NO_CC
+      : entry.idField
+        ? REPLACED_WITH_ID
+        : REPLACED;
     const append: Buffer[] = [];
     if (entry.idField) append.push(entry.idField);
     const userId = header.userIdBytes;
