@@ -325,6 +325,20 @@ export async function startBridge(
         const reply = replyText(failing.error);
         down.push([{ what: redisLabel, reason: reply, ...redisRefusalOf(reply) }, failing.since]);
       }
+      // A memory or disk alarm: nothing is published until the target broker clears it.
+      const blocked = target.blockedSince;
+      if (blocked) {
+        down.push([
+          {
+            what: targetLink.where,
+            how: 'blocked publishing',
+            reason: `resource alarm: ${blocked.reason}`,
+            advice:
+              'free memory or disk on the target broker, or raise its vm_memory_high_watermark or lower its disk_free_limit',
+          },
+          blocked.since,
+        ]);
+      }
       let worst: Outage | undefined;
       for (const [what, since] of down) {
         if (since !== undefined && (!worst || now - since > worst.ms)) worst = { ...what, ms: now - since };
