@@ -156,7 +156,7 @@ const routeSettings = {
   lease: duration.optional(),
   onUnroutable: unroutablePolicy.optional(),
   parkQueue: name.optional(),
-  stripCc: z.boolean({ error: 'must be true or false' }).optional(),
+  stripCc: z.boolean().optional(),
 };
 
 const route = z
@@ -316,7 +316,9 @@ function describeIssue(issue: z.core.$ZodIssue, data: unknown): { path: string; 
         ? 'a list'
         : issue.expected === 'object'
           ? 'a mapping'
-          : `a ${issue.expected}`;
+          : issue.expected === 'boolean'
+            ? 'true or false'
+            : `a ${issue.expected}`;
     message = valueAt(data, issue.path) === undefined ? 'is required' : `must be ${expected}`;
   }
   return { path: pathText(issue.path), message };
