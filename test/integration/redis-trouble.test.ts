@@ -3,6 +3,7 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { newRunDir, RedisServer } from '../harness/servers.js';
 import {
+  type CliResult,
   countDelivery,
   depthOf,
   migrateWithReport,
@@ -10,6 +11,7 @@ import {
   queuePair,
   runCli,
   servers,
+  startCli,
   takeAll,
   waitFor,
 } from '../helpers.js';
@@ -196,6 +198,53 @@ describe('a full Redis (OOM under noeviction)', () => {
     expect(total.lost).toBe(0);
     expect(total.duplicated).toBe(0);
     expect(total.unexpected).toBe(0);
+  });
+});
+
+describe('a full Redis under run', () => {
+  it('run --retry-for 2s gives up as for a lost connection: one line, exit 1; what it held stays in the source', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const first = messagesFor(`${source}-a`, 50);
+    const second = messagesFor(`${source}-b`, 50);
+    // migrate's arguments for this Redis, without --idle-timeout, which run does not have. A stop
+    // lets in-flight work finish for --shutdown-timeout (30 s): a claim Redis refuses cannot.
+    const args = migrateArgsTo(source, target, '--retry-for', '2s', '--shutdown-timeout', '1s').filter(
+      (_, i, all) => !(all[i] === '--idle-timeout' || all[i - 1] === '--idle-timeout'),
+    );
+    const bridge = startCli(['run', ...args.slice(1)]);
+    let ended = false;
+    void bridge.done.then(() => {
+      ended = true;
+    });
+    let result: CliResult | 'still running';
+    try {
+      await publishAll(sourceUrl, source, first);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) === first.length)).toBe(true);
+      await fill();
+      await publishAll(sourceUrl, source, second);
+      result = await Promise.race([
+        bridge.done,
+        new Promise<'still running'>((resolve) => setTimeout(() => resolve('still running'), 30_000)),
+      ]);
+    } finally {
+      if (!ended) bridge.signal('SIGKILL');
+      await unfill();
+    }
+    expect(result, bridge.output().slice(-3000)).not.toBe('still running');
+    const done = result as CliResult;
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    const inSource = idsOf(await takeAll(sourceUrl, source));
+    process.stdout.write(
+      `oom under run: exit ${done.code}; ${onTarget.length} on the target, ${inSource.length} left in the source\n`,
+    );
+    expect(done.code).toBe(1);
+    expect(done.stderr).toMatch(
+      /^dedup-bridge: Redis at redis:\/\/127\.0\.0\.1:\d+ refused writes for \ds \(OOM command not allowed when used memory > 'maxmemory'\), past --retry-for: it is full .*; nothing unforwarded was acked\n$/,
+    );
+    const ids = [...first, ...second].map((message) => message.options.headers._HQ_DUPL_ID);
+    const count = countDelivery('oom under run (target + source)', ids, [...onTarget, ...inSource]);
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(onTarget.sort()).toEqual(first.map((message) => message.options.headers._HQ_DUPL_ID).sort());
   });
 });
 
