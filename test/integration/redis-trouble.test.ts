@@ -1,6 +1,7 @@
 import { rmSync } from 'node:fs';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { FaultProxy } from '../harness/proxy.js';
 import { newRunDir, RedisServer } from '../harness/servers.js';
 import {
   type CliResult,
@@ -288,5 +289,76 @@ describe('a Redis that forgets (FLUSHDB) under a running migration', () => {
     expect(delivery.duplicated).toBe(0);
     expect(delivery.unexpected).toBe(0);
     expect(await depthOf(sourceUrl, source)).toBe(0);
+  });
+
+  it('a commit that finds its ID committed by another process first is counted and logged: the target holds two copies', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const { source, target } = await queuePair();
+    const { source: other } = await queuePair();
+    const id = `${source}-shared`;
+    const message = { body: 'shared', options: { headers: { _HQ_DUPL_ID: id } } };
+    await publishAll(sourceUrl, other, [message]);
+    // Process A reaches Redis through a proxy that can hold its bytes, and the target slowly, so
+    // that its claim is in Redis well before its commit.
+    const redisProxy = FaultProxy.forUrl(redis.url);
+    const targetProxy = FaultProxy.forUrl(targetUrl);
+    await redisProxy.start();
+    await targetProxy.start();
+    const args = [
+      'run',
+      '--source',
+      sourceUrl,
+      '--source-queue',
+      source,
+      '--target',
+      targetProxy.urlFor(targetUrl),
+      '--target-queue',
+      target,
+      '--redis',
+      redisProxy.urlFor(redis.url),
+      '--lease',
+      '1s',
+    ];
+    const a = startCli(args);
+    try {
+      expect(await waitFor(() => a.output().includes('"msg":"forwarding"'))).toBe(true);
+      targetProxy.setDelay(1500);
+      await publishAll(sourceUrl, source, [message]);
+      expect(await waitFor(async () => (await admin.keys('*:c:*')).length > 0, 30_000)).toBe(true);
+      // A's renewals and its commit wait: its lease runs out, and B takes the claim over.
+      redisProxy.setMode('blackhole');
+      await new Promise((resolve) => setTimeout(resolve, 3000));
+      const b = await migrateWithReport(migrateArgsTo(other, target));
+      expect(b.code, b.stderr).toBe(0);
+      expect(b.report).toMatchObject({ forwarded: 1, inDoubt: 1 });
+      // A's commit goes now, after B's: it finds the ID committed.
+      redisProxy.setMode('pass');
+      expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0, 30_000)).toBe(true);
+      expect(await waitFor(() => a.output().includes('had their IDs committed already'), 10_000)).toBe(true);
+    } finally {
+      a.signal('SIGTERM');
+    }
+    const result = await a.done;
+    await redisProxy.stop();
+    await targetProxy.stop();
+    expect(result.code, result.stderr).toBe(0);
+    const lines = result.stdout
+      .split('\n')
+      .filter((line) => line.includes('had their IDs committed already'));
+    expect(lines).toHaveLength(1);
+    const warning = JSON.parse(lines[0] as string) as Record<string, unknown>;
+    expect(warning).toMatchObject({ level: 'warn', alreadyCommitted: 1 });
+    expect(String(warning.msg)).toBe(
+      '1 confirmed message(s) had their IDs committed already: another process forwarded them first (the target may hold two copies), or a commit was sent again after a reconnect',
+    );
+    const stopped = result.stdout.split('\n').find((line) => line.includes('"msg":"stopped"'));
+    expect(JSON.parse(stopped as string).counters).toMatchObject({ forwarded: 1, alreadyCommitted: 1 });
+    // Two copies on the target, as the line says: A's, and B's flagged in-doubt.
+    const copies = await takeAll(targetUrl, target);
+    process.stdout.write(
+      `already committed: ${copies.length} copies of ${id} on the target, in-doubt flags ${copies.map((m) => m.properties.headers?.['x-dedup-in-doubt'] ?? false).join(', ')}\n`,
+    );
+    expect(copies.map((m) => String(m.properties.headers?._HQ_DUPL_ID))).toEqual([id, id]);
+    expect(copies.filter((m) => m.properties.headers?.['x-dedup-in-doubt'] === true)).toHaveLength(1);
   });
 });
