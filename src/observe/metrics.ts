@@ -58,7 +58,7 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
   ],
   [
     'alreadyCommitted',
-    'already_committed_total',
+    'commit_already_total',
     'Commits that found the ID committed already (another process first, or a commit sent again)',
   ],
 ];
