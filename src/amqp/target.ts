@@ -69,6 +69,7 @@ export class TargetPublisher {
   private connection: ChannelModel | undefined;
   private trial: Promise<ConfirmChannel> | undefined;
   private blocked = false;
+  private blockedAt: { since: number; reason: string } | undefined;
   private closed = false;
   private wakeReady: (() => void)[] = [];
   private drained: Promise<void> | undefined;
@@ -106,14 +107,17 @@ export class TargetPublisher {
     this.trial = undefined;
     connection.on('blocked', (reason: string) => {
       this.blocked = true;
+      this.blockedAt ??= { since: Date.now(), reason };
       this.log.warn({ reason }, `${this.where}: blocked publishing (resource alarm); waiting`);
     });
     connection.on('unblocked', () => {
       this.blocked = false;
+      this.blockedAt = undefined;
       this.log.info(`${this.where}: unblocked publishing`);
       this.wake();
     });
     this.blocked = false;
+    this.blockedAt = undefined;
     this.drained = undefined;
     this.channel = channel;
     this.wake();
@@ -200,6 +204,11 @@ export class TargetPublisher {
 
   get isBlocked(): boolean {
     return this.blocked;
+  }
+
+  /** Since when the target has blocked publishing, and the broker's reason ("low on memory"). */
+  get blockedSince(): { since: number; reason: string } | undefined {
+    return this.blockedAt;
   }
 
   private wake(): void {

@@ -3,10 +3,17 @@ import { AmqpLink } from '../amqp/link.js';
 import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
 import { redactUrl } from '../config/redact.js';
+import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { loopMessage } from '../config/settings.js';
-import { DedupCache, newOwnerToken } from '../dedup/cache.js';
-import { connectRedis, type RedisClient } from '../dedup/redis.js';
+import { DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
+import {
+  connectRedis,
+  type RedisClient,
+  redisRefusalOf,
+  replyText,
+  untilRedisAnswers,
+} from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import { InFlightBytes, MessageBudget } from './limits.js';
@@ -32,6 +39,33 @@ export interface RouteStatus {
   targetBlocked: boolean;
 }
 
+/** A server that does not do its part: unreachable, or answering with errors, or blocking us. */
+export interface Outage {
+  /** The server ("Redis at redis://…", "target broker at amqp://…"). */
+  what: string;
+  ms: number;
+  /** What it does: "unreachable", or e.g. "refused writes" with the reason, when it answers. */
+  how: string;
+  /** Why, in the server's words, when it answers (a Redis error reply, the alarm's reason). */
+  reason?: string;
+  /** What to do, beyond bringing it back. */
+  advice?: string;
+}
+
+/**
+ * The line an outage past --retry-for ends a run with: e.g. "Redis at redis://…:6379 refused
+ * writes for 5s (OOM command not allowed …), past --retry-for: raise its maxmemory …; nothing
+ * unforwarded was acked".
+ */
+export function outageLine(outage: Outage): string {
+  const seconds = Math.round(outage.ms / 1000);
+  if (outage.reason === undefined) {
+    return `${outage.what} ${outage.how} for ${seconds}s (--retry-for); nothing unforwarded was acked`;
+  }
+  const advice = outage.advice === undefined ? '' : `: ${outage.advice}`;
+  return `${outage.what} ${outage.how} for ${seconds}s (${outage.reason}), past --retry-for${advice}; nothing unforwarded was acked`;
+}
+
 /** A running route: its connections and its pipeline. */
 export interface Bridge {
   /** The route's name in logs and metrics. */
@@ -40,8 +74,11 @@ export interface Bridge {
   source: SourceQueue;
   /** Resolves when something fails that retrying cannot fix (a queue deleted, credentials revoked). */
   failure: Promise<BridgeError>;
-  /** The server that has been unreachable longest, and for how long; undefined when all are up. */
-  outage(): { what: string; ms: number } | undefined;
+  /**
+   * The server that has been out longest (unreachable, refusing every Redis call, or blocking
+   * publishing), and for how long; undefined when all work.
+   */
+  outage(): Outage | undefined;
   status(): RouteStatus;
   /** Stops consuming, finishes in-flight work within the timeout; returns how many were unfinished. */
   stop(timeoutMs: number): Promise<number>;
@@ -145,7 +182,7 @@ export async function startBridge(
         limits.stop,
       );
     }
-    cache = await DedupCache.open(redis, {
+    const cacheOptions: DedupCacheOptions = {
       token: newOwnerToken(),
       leaseMs: settings.leaseMs,
       windowMs: settings.dedupWindowMs,
@@ -164,7 +201,17 @@ export async function startBridge(
           );
         }
       },
-    });
+    };
+    const openedRedis = redis;
+    // A full Redis (OOM) refuses the scope's layout write: waited for as for an unreachable one.
+    cache = await untilRedisAnswers(
+      describeRedis(parseRedisUrl(settings.redisUrl)),
+      'when opening the dedup scope',
+      settings.retryForMs,
+      routeLog,
+      () => DedupCache.open(openedRedis, cacheOptions),
+      limits.stop,
+    );
     await sourceLink.start();
     // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
     // (no more than --max-messages lets this run take).
@@ -207,6 +254,7 @@ export async function startBridge(
       leaseMs: settings.leaseMs,
       onUnroutable: settings.onUnroutable,
       parkQueue: settings.parkQueue,
+      stripCc: settings.stripCc,
       requeueDelay: settings.requeueDelay,
       routeMark: `${sourceLink.identity}/${settings.sourceQueue}`,
       budget,
@@ -262,19 +310,42 @@ export async function startBridge(
     failure,
     outage() {
       const now = Date.now();
-      const down: [string, number | undefined][] = [
-        [sourceLink.where, sourceLink.downSince],
-        [targetLink.where, targetLink.downSince],
-        [redisLabel, redisDownSince],
+      const down: [Omit<Outage, 'ms'>, number | undefined][] = [
+        [{ what: sourceLink.where, how: 'unreachable' }, sourceLink.downSince],
+        [{ what: targetLink.where, how: 'unreachable' }, targetLink.downSince],
+        [{ what: redisLabel, how: 'unreachable' }, redisDownSince],
         // Commits wait for replicas that are not there: an outage of what --redis-wait-replicas asks.
         [
-          `${settings.redisWaitReplicas} Redis replica(s) for --redis-wait-replicas`,
+          {
+            what: `${settings.redisWaitReplicas} Redis replica(s) for --redis-wait-replicas`,
+            how: 'unreachable',
+          },
           cache.replicasBehindSince,
         ],
       ];
-      let worst: { what: string; ms: number } | undefined;
+      // Redis answers, but every call fails (OOM, READONLY …): as much an outage as no answer.
+      const failing = pipeline.redisFailingSince;
+      if (failing) {
+        const reply = replyText(failing.error);
+        down.push([{ what: redisLabel, reason: reply, ...redisRefusalOf(reply) }, failing.since]);
+      }
+      // A memory or disk alarm: nothing is published until the target broker clears it.
+      const blocked = target.blockedSince;
+      if (blocked) {
+        down.push([
+          {
+            what: targetLink.where,
+            how: 'blocked publishing',
+            reason: `resource alarm: ${blocked.reason}`,
+            advice:
+              'free memory or disk on the target broker, or raise its vm_memory_high_watermark or lower its disk_free_limit',
+          },
+          blocked.since,
+        ]);
+      }
+      let worst: Outage | undefined;
       for (const [what, since] of down) {
-        if (since !== undefined && (!worst || now - since > worst.ms)) worst = { what, ms: now - since };
+        if (since !== undefined && (!worst || now - since > worst.ms)) worst = { ...what, ms: now - since };
       }
       return worst;
     },

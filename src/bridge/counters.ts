@@ -43,6 +43,10 @@ export interface RouteCounters {
   leaseLost: number;
   /** Target connections reset because unconfirmed publishes were about to outlive their lease. */
   fenceResets: number;
+  /** Commits that found no record of the ID at all: Redis lost our claim (FLUSHDB, a restart). */
+  claimsLost: number;
+  /** Commits that found the ID committed already (by another process, or a commit sent again). */
+  alreadyCommitted: number;
 }
 
 export function newCounters(): RouteCounters {
@@ -67,5 +71,7 @@ export function newCounters(): RouteCounters {
     fenced: 0,
     leaseLost: 0,
     fenceResets: 0,
+    claimsLost: 0,
+    alreadyCommitted: 0,
   };
 }

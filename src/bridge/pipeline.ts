@@ -21,6 +21,11 @@ const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value:
 // bridge sets it: made once, not per message.
 const REPLACED: readonly string[] = [IN_DOUBT_HEADER, SOURCE_USER_HEADER, ROUTE_HEADER];
 const REPLACED_WITH_ID: readonly string[] = [...REPLACED, DUPLICATE_ID_HEADER];
+// With --strip-cc also the sender-selected distribution headers: RabbitMQ routes a copy of the
+// message to each routing key they list, on the target as on the source.
+const CC_HEADERS: readonly string[] = ['CC', 'BCC'];
+const REPLACED_NO_CC: readonly string[] = [...REPLACED, ...CC_HEADERS];
+const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HEADERS];
 
 export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
@@ -51,6 +56,8 @@ export interface RouteSettings {
   budget: MessageBudget;
   /** Waits before publishing this many messages (migrate --max-rate). */
   throttle: ((count: number) => Promise<void>) | undefined;
+  /** Remove `CC` and `BCC` from the headers on forward (--strip-cc). */
+  stripCc: boolean;
   /** Test hook: called between a batch's confirms and its commit (the documented window). */
   afterConfirm: (() => void) | undefined;
 }
@@ -166,6 +173,8 @@ export class Pipeline {
   private readonly retryCounts = new Map<string, number>();
   private readonly suspectIds = new Set<string>();
   private ownRouteField: Buffer | undefined;
+  /** The header fields a forwarded copy drops or gets anew, with the message's own ID or with ours. */
+  private readonly replaced: { own: readonly string[]; withId: readonly string[] };
   /** Lines about single messages, capped per kind and interval, their message text clipped. */
   private readonly perMessage: PerMessageLog;
   private renewTimer: NodeJS.Timeout | undefined;
@@ -173,6 +182,10 @@ export class Pipeline {
   private renewing = false;
   /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
   private redisFailing = false;
+  /** When the current streak of failed Redis calls began (Date.now()); undefined once one succeeds. */
+  private failingSince: number | undefined;
+  /** The first line of the streak's last error (an error reply such as OOM). */
+  private lastRedisError: string | undefined;
   private suspects: Promise<void> = Promise.resolve();
   private stopping = false;
   /** Set when a stop ran out of time: publishes still waiting for the target give up. */
@@ -188,6 +201,9 @@ export class Pipeline {
     private readonly log: Logger,
   ) {
     this.perMessage = new PerMessageLog(log);
+    this.replaced = settings.stripCc
+      ? { own: REPLACED_NO_CC, withId: REPLACED_WITH_ID_NO_CC }
+      : { own: REPLACED, withId: REPLACED_WITH_ID };
   }
 
   /** Starts consuming; `onFatal` is told of failures this pipeline cannot recover from. */
@@ -198,6 +214,16 @@ export class Pipeline {
     const fenceEvery = Math.max(50, Math.floor(this.settings.leaseMs / 10));
     this.fenceTimer = setInterval(() => this.fenceWrites(), fenceEvery);
     await this.source.consume((message) => this.receive(message));
+  }
+
+  /**
+   * Since when every Redis call of this route has failed (an error reply such as OOM or READONLY;
+   * while the connection is down calls wait instead), with the last error's first line; undefined
+   * while calls succeed. The bridge counts it as an outage for --retry-for.
+   */
+  get redisFailingSince(): { since: number; error: string } | undefined {
+    if (this.failingSince === undefined) return undefined;
+    return { since: this.failingSince, error: this.lastRedisError ?? 'no answer' };
   }
 
   /** The target's max_message_size, once it refused a message for being larger. */
@@ -711,7 +737,7 @@ export class Pipeline {
     const header = entry.header as ContentHeader;
     // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
     // with the message is dropped, and set only from a user_id the source broker vouched for.
-    const remove = entry.idField ? REPLACED_WITH_ID : REPLACED;
+    const remove = entry.idField ? this.replaced.withId : this.replaced.own;
     const append: Buffer[] = [];
     if (entry.idField) append.push(entry.idField);
     const userId = header.userIdBytes;
@@ -961,6 +987,7 @@ export class Pipeline {
           const results = await this.redis('commit', () =>
             this.cache.commit(group.flatMap((item) => item.keys)),
           );
+          this.noteCommits(results);
           let at = 0;
           for (const item of group) {
             item.resolve(results.slice(at, at + item.keys.length));
@@ -975,12 +1002,42 @@ export class Pipeline {
     }
   }
 
+  /**
+   * Counts and logs the commits that found something other than our claim: no record at all (Redis
+   * lost the claim), or the ID committed already. Either can mean two copies on the target.
+   */
+  private noteCommits(results: readonly CommitResult[]): void {
+    let lost = 0;
+    let already = 0;
+    for (const result of results) {
+      if (result === 'restored') lost++;
+      else if (result === 'already') already++;
+    }
+    if (lost > 0) {
+      this.counters.claimsLost += lost;
+      this.perMessage.warn(
+        { claimsLost: lost },
+        `Redis had lost the claims of ${lost} confirmed message(s) (FLUSHDB, a restart or a failover without persistence): committed again, but duplicates are possible for what was in flight (another process may have claimed and forwarded the same IDs) and for IDs committed before the loss`,
+        'Redis had lost claims',
+      );
+    }
+    if (already > 0) {
+      this.counters.alreadyCommitted += already;
+      this.perMessage.warn(
+        { alreadyCommitted: already },
+        `${already} confirmed message(s) had their IDs committed already: another process forwarded them first (the target may hold two copies), or a commit was sent again after a reconnect`,
+        'IDs committed already',
+      );
+    }
+  }
+
   /** Runs a cache call until it succeeds: a message never moves on without its claim or commit. */
   private async redis<T>(what: string, call: () => Promise<T>): Promise<T> {
     for (let attempt = 1; ; attempt++) {
       if (this.abandoned) throw new Abandoned();
       try {
         const result = await call();
+        this.failingSince = undefined;
         if (this.redisFailing) {
           this.redisFailing = false;
           this.log.info({ what }, 'Redis answers again');
@@ -995,6 +1052,9 @@ export class Pipeline {
             `Redis refused the ${what} call (${describe(error)}); give the user the ACL that docs/security.md, Least privilege, lists`,
           );
         }
+        // A streak of failures is an outage from its first (see redisFailingSince).
+        this.failingSince ??= Date.now();
+        this.lastRedisError = describe(error).split('\n')[0];
         // One line per outage, not one per batch in flight.
         if (!this.redisFailing) {
           this.redisFailing = true;

@@ -1,7 +1,7 @@
 import type { BridgeSettings } from '../config/settings.js';
 import { BridgeError, ExitCode, UnavailableError } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { type Bridge, type BridgeLimits, startBridge } from './bridge.js';
+import { type Bridge, type BridgeLimits, outageLine, startBridge } from './bridge.js';
 
 // `run` with a config file runs several routes in one process, each a bridge with its own
 // connections. They start together and stop together: one route failing stops them all.
@@ -94,11 +94,7 @@ function watchOutage(bridge: Bridge, retryForMs: number): Outage {
     timer = setInterval(() => {
       const outage = bridge.outage();
       if (outage && outage.ms >= retryForMs) {
-        resolve(
-          new UnavailableError(
-            `${outage.what} unreachable for ${Math.round(outage.ms / 1000)}s (--retry-for); nothing unforwarded was acked`,
-          ),
-        );
+        resolve(new UnavailableError(outageLine(outage)));
       }
     }, 500);
   });

@@ -33,6 +33,7 @@ export async function main(argv: string[]): Promise<number> {
   program.hook('preAction', (_program, actionCommand) => {
     active = actionCommand;
     readFileVariables(actionCommand);
+    readSwitchVariables(actionCommand);
   });
   try {
     await program.parseAsync(argv);
@@ -82,6 +83,27 @@ function strayArgument(program: Command, argv: string[]): ConfigError {
   return new ConfigError(
     `unexpected argument "${stray}"${after}: ${name} ${takes}; remove it, or quote a value that has spaces`,
   );
+}
+
+/**
+ * A switch (`--strip-cc`) set by its variable: commander turns it on whatever the value, so that
+ * DEDUP_BRIDGE_STRIP_CC=false would strip. The value is read here: true or 1 turn it on, false, 0
+ * or nothing leave it off, anything else is refused.
+ */
+function readSwitchVariables(command: Command): void {
+  for (const option of command.options) {
+    const variable = option.envVar;
+    if (!variable || !option.isBoolean()) continue;
+    const name = option.attributeName();
+    if (command.getOptionValueSource(name) !== 'env') continue;
+    const value = (process.env[variable] ?? '').trim().toLowerCase();
+    if (value === 'true' || value === '1') continue;
+    if (value === 'false' || value === '0' || value === '') {
+      command.setOptionValueWithSource(name, undefined, 'env');
+      continue;
+    }
+    throw new ConfigError(`${variable} (${option.long}): must be true or false`);
+  }
 }
 
 /** Options whose value came from a `<VARIABLE>_FILE`, so that errors name that variable. */

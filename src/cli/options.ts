@@ -147,6 +147,12 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
     .option('--lease <duration>', `claim lease, renewed while in flight (default ${DEFAULTS.lease})`)
     .option('--on-unroutable <policy>', 'requeue (default), dead-letter, or park (with --park-queue)')
     .option('--park-queue <name>', 'move unroutable messages to this queue on the source broker')
+    .addOption(
+      new Option(
+        '--strip-cc',
+        'remove the CC and BCC headers on forward, so that the target routes no extra copies by them (default: keep them, as Shovel does)',
+      ).env('DEDUP_BRIDGE_STRIP_CC'),
+    )
     .option(
       '--retry-for <duration>',
       `give up reaching a server after this long, or forever; not 0 (default ${retryDefault})`,

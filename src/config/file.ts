@@ -156,6 +156,7 @@ const routeSettings = {
   lease: duration.optional(),
   onUnroutable: unroutablePolicy.optional(),
   parkQueue: name.optional(),
+  stripCc: z.boolean().optional(),
 };
 
 const route = z
@@ -315,7 +316,9 @@ function describeIssue(issue: z.core.$ZodIssue, data: unknown): { path: string; 
         ? 'a list'
         : issue.expected === 'object'
           ? 'a mapping'
-          : `a ${issue.expected}`;
+          : issue.expected === 'boolean'
+            ? 'true or false'
+            : `a ${issue.expected}`;
     message = valueAt(data, issue.path) === undefined ? 'is required' : `must be ${expected}`;
   }
   return { path: pathText(issue.path), message };
@@ -363,6 +366,7 @@ const ROUTE_OPTIONS = [
   'lease',
   'onUnroutable',
   'parkQueue',
+  'stripCc',
   'sourceCa',
   'sourceCert',
   'sourceKey',
@@ -376,6 +380,7 @@ const ENV_OF: Record<string, string> = {
   sourceQueue: 'DEDUP_BRIDGE_SOURCE_QUEUE',
   target: 'DEDUP_BRIDGE_TARGET',
   maxInFlightBytes: 'DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES',
+  stripCc: 'DEDUP_BRIDGE_STRIP_CC',
   sourceCa: 'DEDUP_BRIDGE_SOURCE_CA',
   sourceCert: 'DEDUP_BRIDGE_SOURCE_CERT',
   sourceKey: 'DEDUP_BRIDGE_SOURCE_KEY',
@@ -421,6 +426,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
     lease: settings.lease,
     onUnroutable: onUnroutableOf(settings),
     parkQueue: settings.parkQueue,
+    stripCc: settings.stripCc,
     retryFor: file.retryFor,
     shutdownTimeout: file.shutdownTimeout,
     logLevel: file.logLevel,
@@ -544,6 +550,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         lease: formatDuration(settings.leaseMs),
         onUnroutable: settings.onUnroutable,
         parkQueue: settings.parkQueue,
+        stripCc: settings.stripCc || undefined,
       });
     }),
   });

@@ -53,6 +53,7 @@ export interface RawOptions extends TlsRawOptions {
   lease?: string;
   onUnroutable?: string;
   parkQueue?: string;
+  stripCc?: boolean;
   retryFor?: string;
   shutdownTimeout?: string;
   logLevel?: string;
@@ -118,6 +119,11 @@ export interface BridgeSettings {
   leaseMs: number;
   onUnroutable: UnroutablePolicy;
   parkQueue: string | undefined;
+  /**
+   * Remove the `CC` and `BCC` headers on forward: RabbitMQ routes a copy to each routing key they
+   * list (sender-selected distribution), on the target too. Default false, as Shovel.
+   */
+  stripCc: boolean;
   requeueDelay: { initialMs: number; maxMs: number };
   retryForMs: number;
   shutdownTimeoutMs: number;
@@ -420,6 +426,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     leaseMs,
     onUnroutable: options.onUnroutable,
     parkQueue: options.parkQueue,
+    stripCc: raw.stripCc === true,
     requeueDelay: {
       initialMs: parseDuration(DEFAULTS.requeueDelay, 'requeue delay'),
       maxMs: parseDuration(DEFAULTS.requeueDelayMax, 'requeue delay'),

@@ -1,6 +1,6 @@
 import { type ConnectionOptions, connect as tlsConnect } from 'node:tls';
 import { Cluster, Redis } from 'ioredis';
-import { backoffDelay } from '../amqp/backoff.js';
+import { backoffDelay, sleepUnlessStopped } from '../amqp/backoff.js';
 import { describe } from '../amqp/errors.js';
 import { redactSecrets, secretsOf } from '../config/redact.js';
 import {
@@ -56,6 +56,88 @@ export function asMissingGrant(error: unknown, what: string): unknown {
   return new ConfigError(
     `Redis refused ${what} (${message}); give the user the ACL that docs/security.md, Least privilege, lists`,
   );
+}
+
+/**
+ * A Redis error reply as one line: its first, without the script location Redis adds to an error
+ * inside a script (". script: <sha>, on @user_script:12.") and without a closing full stop.
+ */
+export function replyText(error: unknown): string {
+  return describe(error)
+    .replace(/\.? script: .*$/, '')
+    .replace(/\.$/, '');
+}
+
+/** How a Redis that answers with errors is described, by the reply's code, and what to do about it. */
+const REFUSALS: [RegExp, string, string][] = [
+  [
+    /^OOM/,
+    'refused writes',
+    'it is full (maxmemory with maxmemory-policy noeviction): raise its maxmemory or free memory (docs/redis.md sizes it); keep noeviction, an evicted key is a forgotten ID',
+  ],
+  [
+    /^READONLY/,
+    'refused writes',
+    'the URL names a replica: give the master (or the Sentinel or Cluster URL)',
+  ],
+  [/^MISCONF/, 'refused writes', 'it cannot save its data to disk: see its log'],
+  [/^LOADING/, 'answered that it is loading its data', 'give it time to load, with a longer --retry-for'],
+  [/^BUSY/, 'answered that it is busy with a script', 'see SCRIPT KILL and its slow log'],
+];
+
+/** What a Redis that keeps answering `reply` does ("refused writes"), and what to do. */
+export function redisRefusalOf(reply: string): { how: string; advice: string } {
+  for (const [code, how, advice] of REFUSALS) if (code.test(reply)) return { how, advice };
+  return { how: 'failed every call', advice: 'see its log' };
+}
+
+/**
+ * Whether a failed Redis call is an error reply that may pass (OOM, READONLY, LOADING …): retried
+ * with `untilRedisAnswers`. Not a refused grant (NOPERM), which retrying cannot fix, nor an error
+ * of ours.
+ */
+function isPassingReply(error: unknown): boolean {
+  return (
+    error instanceof Error &&
+    error.name === 'ReplyError' &&
+    !FATAL_REPLY.test(error.message) &&
+    !/can't run this command/.test(error.message)
+  );
+}
+
+/**
+ * Runs a start-up call (the job lock, opening the dedup scope) until Redis stops answering it with
+ * an error reply such as OOM, for up to `retryForMs` (0: until stopped); then one line, exit 1.
+ * Other errors are thrown at once.
+ */
+export async function untilRedisAnswers<T>(
+  where: string,
+  what: string,
+  retryForMs: number,
+  log: Logger,
+  call: () => Promise<T>,
+  stop?: AbortSignal,
+): Promise<T> {
+  const started = Date.now();
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await call();
+    } catch (error) {
+      if (!isPassingReply(error)) throw error;
+      const reply = replyText(error);
+      const { how, advice } = redisRefusalOf(reply);
+      const waited = Date.now() - started;
+      if (retryForMs > 0 && waited >= retryForMs) {
+        throw new UnavailableError(
+          `${where} ${how} for ${Math.round(waited / 1000)}s (${reply}) ${what}, past --retry-for: ${advice}; nothing was moved: run again when it is back`,
+        );
+      }
+      if (attempt === 1) log.warn({ error: reply }, `${where} ${how} ${what}; retrying (--retry-for)`);
+      const delay = backoffDelay(attempt, 100, 5000);
+      await sleepUnlessStopped(retryForMs > 0 ? Math.min(delay, retryForMs - waited) : delay, stop);
+      if (stop?.aborted) throw new StopRequested(where);
+    }
+  }
 }
 
 const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);

@@ -1,7 +1,7 @@
 import { sleep } from '../amqp/backoff.js';
 import { connectAmqp } from '../amqp/connect.js';
 import { replyCodeOf } from '../amqp/errors.js';
-import { type Bridge, startBridge } from '../bridge/bridge.js';
+import { type Bridge, outageLine, startBridge } from '../bridge/bridge.js';
 import type { RouteCounters } from '../bridge/counters.js';
 import type { MessageBudget } from '../bridge/limits.js';
 import type { BridgeSettings } from '../config/settings.js';
@@ -122,7 +122,7 @@ export async function migrateQueue(
       problem = failure.message;
     } else if (outage && settings.retryForMs > 0 && outage.ms >= settings.retryForMs) {
       outcome = 'failed';
-      problem = `${outage.what} unreachable for ${Math.round(outage.ms / 1000)}s (--retry-for); nothing unforwarded was acked: run again when it is back`;
+      problem = `${outageLine(outage)}: run again when it is back`;
     } else if (control.stopReason) {
       outcome = control.stopReason;
     } else if (pipeline.limitReached && pipeline.heldCount === 0) {

@@ -37,6 +37,13 @@ export interface QueueReport {
   unforwardable: number;
   /** Messages that came back to this route: the target routes into the source queue (a loop). */
   looped: number;
+  /**
+   * Commits that found no record of their claim: Redis lost it (FLUSHDB, a restart or a failover
+   * without persistence). Not an outcome: each is also forwarded. Duplicates are possible for them.
+   */
+  claimsLost: number;
+  /** Commits that found the ID committed already: another process forwarded it first, or a re-sent commit. */
+  alreadyCommitted: number;
   /** Deliveries taken from the source queue. */
   consumed: number;
   /** True when every consumed delivery is accounted for by one of the outcomes above. */
@@ -76,6 +83,8 @@ const COUNTS = [
   'badIdHeader',
   'unforwardable',
   'looped',
+  'claimsLost',
+  'alreadyCommitted',
   'consumed',
 ] as const;
 
@@ -133,6 +142,8 @@ export function buildQueueReport(input: {
     badIdHeader: counters.badIdHeader,
     unforwardable: counters.unforwardable,
     looped: counters.looped,
+    claimsLost: counters.claimsLost,
+    alreadyCommitted: counters.alreadyCommitted,
     consumed: counters.consumed,
     accounted: settled === counters.consumed,
     remaining: input.remaining ?? null,

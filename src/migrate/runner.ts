@@ -5,9 +5,10 @@ import { newCounters } from '../bridge/counters.js';
 import { MessageBudget, TokenBucket } from '../bridge/limits.js';
 import type { MigrateSettings } from '../config/migrate-settings.js';
 import { redactUrl } from '../config/redact.js';
+import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { newOwnerToken } from '../dedup/cache.js';
-import { connectRedis } from '../dedup/redis.js';
+import { connectRedis, untilRedisAnswers } from '../dedup/redis.js';
 import { BridgeError, ExitCode, RuntimeFailure, StopRequested } from '../errors.js';
 import type { Logger } from '../observe/log.js';
 import type { RouteWatch } from '../observe/server.js';
@@ -66,13 +67,22 @@ export async function runMigration(
   const redis = await connectRedis(first.redisUrl, first.retryForMs, log, first.tls.redis, stop);
   let lock: JobLock | undefined;
   try {
-    lock = await JobLock.acquire(
-      redis,
-      first.redisPrefix,
-      settings.jobName,
-      newOwnerToken(),
-      settings.jobLockLeaseMs,
+    // A full Redis (OOM) refuses the lock's write: waited for as for an unreachable one.
+    lock = await untilRedisAnswers(
+      describeRedis(parseRedisUrl(first.redisUrl)),
+      'when taking the job lock',
+      first.retryForMs,
       log,
+      () =>
+        JobLock.acquire(
+          redis,
+          first.redisPrefix,
+          settings.jobName,
+          newOwnerToken(),
+          settings.jobLockLeaseMs,
+          log,
+        ),
+      stop,
     );
     if (settings.declareTarget) {
       await declareTargetQueues(

@@ -70,6 +70,16 @@ const COUNTERS: readonly [keyof RouteCounters, string, string][] = [
     'fence_resets_total',
     'Target connections reset so that publishes outliving their lease were never sent',
   ],
+  [
+    'claimsLost',
+    'claims_lost_total',
+    'Commits that found no record of their claim: Redis lost it (FLUSHDB, a restart or failover without persistence)',
+  ],
+  [
+    'alreadyCommitted',
+    'commit_already_total',
+    'Commits that found the ID committed already (another process first, or a commit sent again)',
+  ],
 ];
 
 // From a local Redis round trip (about a millisecond) to a broker under a resource alarm.

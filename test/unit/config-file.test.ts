@@ -485,3 +485,30 @@ describe('the file takes what the flags take (issue 17, item 6)', () => {
     );
   });
 });
+
+describe('stripCc (--strip-cc)', () => {
+  it('is off unless a route (or defaults) sets it; config check shows it where it is on', () => {
+    const file = twoRoutes();
+    Object.assign(file.routes[1] as Record<string, unknown>, { stripCc: true });
+    const path = configFile(file);
+    const routes = loadConfigRoutes(path, {}, 'run');
+    expect(routes.map((route) => route.stripCc)).toEqual([false, true]);
+    const described = describeConfig(loadConfigFile(path), routes) as { routes: Record<string, unknown>[] };
+    expect(described.routes.map((route) => route.stripCc)).toEqual([undefined, true]);
+    const everywhere = twoRoutes();
+    Object.assign(everywhere.defaults, { stripCc: true });
+    expect(loadConfigRoutes(configFile(everywhere), {}, 'run').map((route) => route.stripCc)).toEqual([
+      true,
+      true,
+    ]);
+  });
+
+  it('takes true or false only, and is a route flag (refused with several routes)', () => {
+    const file = twoRoutes();
+    Object.assign(file.defaults, { stripCc: 'yes' });
+    expect(loadError(configFile(file))).toMatch(/defaults\.stripCc: must be true or false$/);
+    expect(loadError(configFile(twoRoutes()), { stripCc: true })).toMatch(
+      /^--strip-cc \(or DEDUP_BRIDGE_STRIP_CC\): applies to a single route/,
+    );
+  });
+});

@@ -214,11 +214,11 @@ const VALID: RawOptions = {
   targetQueue: 'orders-copy',
 };
 
-function resolve(overrides: Partial<Record<keyof RawOptions, string | undefined>>) {
+function resolve(overrides: Partial<Record<keyof RawOptions, string | boolean | undefined>>) {
   return resolveBridgeSettings({ ...VALID, ...overrides } as RawOptions, 'run');
 }
 
-function resolveError(overrides: Partial<Record<keyof RawOptions, string | undefined>>): string {
+function resolveError(overrides: Partial<Record<keyof RawOptions, string | boolean | undefined>>): string {
   return configError(() => resolve(overrides)).message;
 }
 
