@@ -316,20 +316,23 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     return result;
   }
 
-  it('Shovel (on-confirm) under the same broker restarts, for comparison', async () => {
-    const target = await shovelScenario('target-restart', async () => {
-      await world.target.stop();
-      await sleep(1000);
-      await world.target.start();
+  // A comparison, not evidence about the bridge: in the full table only (npm run chaos), which
+  // the docs quote; in the short run it cost a minute of every npm test.
+  if (FULL)
+    it('Shovel (on-confirm) under the same broker restarts, for comparison', async () => {
+      const target = await shovelScenario('target-restart', async () => {
+        await world.target.stop();
+        await sleep(1000);
+        await world.target.start();
+      });
+      const source = await shovelScenario('source-restart', async () => {
+        await world.source.stop();
+        await sleep(1000);
+        await world.source.start();
+      });
+      expect(target.lost).toBe(0);
+      expect(source.lost).toBe(0);
     });
-    const source = await shovelScenario('source-restart', async () => {
-      await world.source.stop();
-      await sleep(1000);
-      await world.source.start();
-    });
-    expect(target.lost).toBe(0);
-    expect(source.lost).toBe(0);
-  });
 
   it('target broker stopped and restarted mid-transfer', async () => {
     const result = await bridgeScenario('target-restart', {

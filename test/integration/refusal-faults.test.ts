@@ -105,7 +105,7 @@ describe('a size limit the target told is not kept for ever', () => {
 describe('lease renewals racing commits', () => {
   it('reports no lost lease and resets nothing in a fault-free transfer', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const N = 20_000;
+    const N = 10_000;
     await publishAll(
       sourceUrl,
       source,
