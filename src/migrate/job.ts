@@ -113,6 +113,8 @@ export async function migrateQueue(
     progress.total = handledOf(pipeline.counters) + pipeline.heldCount + depth;
     return depth;
   };
+  // What is left, known from the first progress line on (see showProgress).
+  await readDepth();
   while (outcome === undefined) {
     await sleep(POLL_MS);
     follow();

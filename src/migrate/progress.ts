@@ -42,7 +42,9 @@ export function showProgress(items: QueueProgress[], options: ProgressOptions): 
   if (!options.terminal) {
     const timer = setInterval(() => {
       for (const item of items) {
-        if (item.done || item.startedAt === 0) continue;
+        // Not before the source queue's depth is known: a line while the route still connects
+        // would say nothing of what is left.
+        if (item.done || item.startedAt === 0 || item.total === undefined) continue;
         const c = item.counters;
         options.log.info(
           {
