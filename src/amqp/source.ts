@@ -1,5 +1,4 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message } from 'amqplib';
-import { InFlightBytes } from '../bridge/limits.js';
 import type { SourceDeliveryLimit } from '../config/settings.js';
 import { type BridgeError, FatalConnectError } from '../errors.js';
 import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
@@ -7,6 +6,7 @@ import type { Logger } from '../observe/log.js';
 import { sleep } from './backoff.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { encodeValue, rawField } from './fields.js';
+import { InFlightBytes } from './in-flight-bytes.js';
 import { publishRaw, serverVersionOf } from './internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './properties.js';
 

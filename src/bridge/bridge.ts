@@ -1,4 +1,5 @@
 import { sleep } from '../amqp/backoff.js';
+import { InFlightBytes } from '../amqp/in-flight-bytes.js';
 import { AmqpLink } from '../amqp/link.js';
 import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
@@ -16,7 +17,7 @@ import {
 } from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../observe/log.js';
-import { InFlightBytes, MessageBudget } from './limits.js';
+import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
 // A broker under a resource alarm may never answer a channel close: then the connection's own
