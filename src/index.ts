@@ -17,7 +17,7 @@ export {
 } from './client/unit.js';
 export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
 export { DedupCache } from './dedup/cache.js';
-export { DUPLICATE_ID_HEADER, deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
+export { deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
 export type { RedisClient } from './dedup/redis.js';
 export {
   BridgeError,
@@ -27,4 +27,4 @@ export {
   RuntimeFailure,
   UnavailableError,
 } from './errors.js';
-export { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from './headers.js';
+export { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from './headers.js';

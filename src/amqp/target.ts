@@ -1,6 +1,6 @@
 import type { ChannelModel, ConfirmChannel, Message } from 'amqplib';
-import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
 import type { BridgeError } from '../errors.js';
+import { DUPLICATE_ID_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';

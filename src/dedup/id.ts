@@ -9,7 +9,6 @@ import { DUPLICATE_ID_HEADER } from '../headers.js';
 /** Where a message's dedup ID comes from; `--id-from` is an ordered list of these. */
 export type IdStrategy = { kind: 'header'; name: string } | { kind: 'message-id' } | { kind: 'content' };
 
-export { DUPLICATE_ID_HEADER };
 export const DEFAULT_ID_FROM = 'header:_HQ_DUPL_ID,header:_AMQ_DUPL_ID,message-id,content';
 
 /** IDs longer than this many bytes are keyed by their SHA-256, so keys stay small. */
