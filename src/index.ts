@@ -15,9 +15,10 @@ export {
   UNIT_SIZE_HEADER,
   type UnitMessage,
 } from './client/unit.js';
+export { type IdStrategy, parseIdFrom } from './config/id-from.js';
 export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
 export { DedupCache } from './dedup/cache.js';
-export { deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
+export { deriveId, keyOfValue } from './dedup/id.js';
 export type { RedisClient } from './dedup/redis.js';
 export {
   BridgeError,

@@ -7,8 +7,10 @@ import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp
 import { refusalOfClose } from '../amqp/refusal.js';
 import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
+import type { IdStrategy } from '../config/id-from.js';
+import type { UnroutablePolicy } from '../config/settings.js';
 import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
-import { deriveId, type IdStrategy } from '../dedup/id.js';
+import { deriveId } from '../dedup/id.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../observe/log.js';
@@ -26,8 +28,6 @@ const REPLACED_WITH_ID: readonly string[] = [...REPLACED, DUPLICATE_ID_HEADER];
 const CC_HEADERS: readonly string[] = ['CC', 'BCC'];
 const REPLACED_NO_CC: readonly string[] = [...REPLACED, ...CC_HEADERS];
 const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HEADERS];
-
-export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
 /** The stages whose latency metrics watch: the Redis claim and commit, and the target's confirm. */
 export type LatencyStage = 'claim' | 'commit' | 'confirm';
