@@ -2,7 +2,7 @@ import amqp, { type ChannelModel } from 'amqplib';
 import { redactSecrets, redactUrl, secretsOf } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
 import { StopRequested } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { backoffDelay, sleepUnlessStopped } from './backoff.js';
 import { classifyConnectError, describe, unreachable } from './errors.js';
 import { AmqplibInternalsError, coalesceWrites, installLosslessReader } from './internals.js';

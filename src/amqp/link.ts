@@ -2,7 +2,7 @@ import type { ChannelModel } from 'amqplib';
 import { redactUrl } from '../config/redact.js';
 import type { TlsFiles } from '../config/tls.js';
 import { BridgeError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { backoffDelay, sleep } from './backoff.js';
 import { ConnectCancelled, connectAmqpAny, vhostOf } from './connect.js';
 import { describe } from './errors.js';

@@ -1,7 +1,7 @@
 import type { ChannelModel, ConfirmChannel, Message } from 'amqplib';
 import type { BridgeError } from '../errors.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';
 import { ContentHeaderError, contentHeaderOf } from './properties.js';

@@ -16,7 +16,7 @@ import {
   untilRedisAnswers,
 } from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 

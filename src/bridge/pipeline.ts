@@ -13,7 +13,7 @@ import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { clip, PerMessageLog } from '../observe/per-message.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';

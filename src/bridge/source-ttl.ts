@@ -2,7 +2,7 @@ import { type QueueShape, readQueueShape } from '../amqp/management.js';
 import { formatDuration, parseDuration } from '../config/duration.js';
 import { type BridgeSettings, DEFAULTS, type SourceDeliveryLimit } from '../config/settings.js';
 import { ConfigError, UnavailableError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 
 /** How long a message may stay in a queue, and what says so. */
 export interface MessageTtl {

@@ -2,7 +2,7 @@ import { readFileSync } from 'node:fs';
 import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
-import { LOG_LEVELS } from '../observe/log.js';
+import { LOG_LEVELS } from '../log.js';
 import { FOREVER, formatDuration, formatRetryFor, parseDuration, parseRetryFor } from './duration.js';
 import { describeStrategy, parseIdFrom } from './id-from.js';
 import { checkManagementCa, checkManagementUrl } from './migrate-settings.js';

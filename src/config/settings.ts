@@ -1,6 +1,6 @@
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
-import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
+import { LOG_LEVELS, type LogLevel } from '../log.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
 import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from './id-from.js';
 import { hasHiddenPassword, redactUrl } from './redact.js';

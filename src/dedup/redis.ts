@@ -11,7 +11,7 @@ import {
 } from '../config/redis-url.js';
 import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { ConfigError, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { masterNodes } from './slots.js';
 
 /** What the rest of the code talks to: one server (alone or found through Sentinel) or a Cluster. */

@@ -6,7 +6,7 @@ import type { RouteCounters } from '../bridge/counters.js';
 import type { MessageBudget } from '../bridge/limits.js';
 import type { BridgeSettings } from '../config/settings.js';
 import type { BridgeError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import type { RouteWatch } from '../observe/server.js';
 import {
   type ActiveSpan,

@@ -1,5 +1,5 @@
 import cliProgress from 'cli-progress';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { activeSpanOf, type QueueProgress } from './job.js';
 import { handledOf, rateOf as rateOver } from './report.js';
 

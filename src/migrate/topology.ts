@@ -3,7 +3,7 @@ import { describe, replyCodeOf } from '../amqp/errors.js';
 import { readQueueShape } from '../amqp/management.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { ConfigError, FatalConnectError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 
 /**
  * Queue arguments under which the target queue itself drops (or dead-letters) what the bridge

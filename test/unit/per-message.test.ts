@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import type { Logger } from '../../src/observe/log.js';
+import type { Logger } from '../../src/log.js';
 import { clip, PerMessageLog } from '../../src/observe/per-message.js';
 
 /** A logger that keeps its lines (a fake is fine here: PerMessageLog only counts and forwards). */
