@@ -1,8 +1,7 @@
 import { BridgeError, ConfigError, ExitCode } from '../errors.js';
 import { DedupCache } from './cache.js';
 import { keyOfBytes, keyOfValue } from './id.js';
-import type { RedisClient } from './redis.js';
-import { masterNodes } from './slots.js';
+import { masterNodes, type RedisClient } from './redis.js';
 
 /**
  * An ID as the cache tools take it, with the key the bridge files it under (see dedup/id): the

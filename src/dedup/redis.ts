@@ -12,10 +12,14 @@ import {
 import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
 import { ConfigError, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../log.js';
-import { masterNodes } from './slots.js';
 
 /** What the rest of the code talks to: one server (alone or found through Sentinel) or a Cluster. */
 export type RedisClient = Redis | Cluster;
+
+/** The servers that hold keys: every master of a Cluster, or the one server otherwise. */
+export function masterNodes(redis: RedisClient): Redis[] {
+  return redis instanceof Cluster ? redis.nodes('master') : [redis];
+}
 
 // Replies that mean the URL's credentials or database are wrong: retrying cannot fix them.
 const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR DB index is out of range)/;
