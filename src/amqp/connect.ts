@@ -1,10 +1,10 @@
 import amqp, { type ChannelModel } from 'amqplib';
+import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactSecrets, redactUrl, secretsOf } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
-import { StopRequested } from '../errors.js';
+import { describe, StopRequested } from '../errors.js';
 import type { Logger } from '../log.js';
-import { backoffDelay, sleepUnlessStopped } from './backoff.js';
-import { classifyConnectError, describe, unreachable } from './errors.js';
+import { classifyConnectError, unreachable } from './errors.js';
 import { AmqplibInternalsError, coalesceWrites, installLosslessReader } from './internals.js';
 
 export interface ConnectOptions {

@@ -1,11 +1,10 @@
 import type { ChannelModel } from 'amqplib';
+import { backoffDelay, sleep } from '../backoff.js';
 import { redactUrl } from '../config/redact.js';
 import type { TlsFiles } from '../config/tls.js';
-import { BridgeError } from '../errors.js';
+import { BridgeError, describe } from '../errors.js';
 import type { Logger } from '../log.js';
-import { backoffDelay, sleep } from './backoff.js';
 import { ConnectCancelled, connectAmqpAny, vhostOf } from './connect.js';
-import { describe } from './errors.js';
 import { clusterNameOf } from './internals.js';
 
 // A broker under a resource alarm may never read our Close: give it this long, then drop the socket.

@@ -1,9 +1,9 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message } from 'amqplib';
+import { sleep } from '../backoff.js';
 import type { SourceDeliveryLimit } from '../config/settings.js';
 import { type BridgeError, FatalConnectError } from '../errors.js';
 import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
-import { sleep } from './backoff.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { encodeValue, rawField } from './fields.js';
 import { InFlightBytes } from './in-flight-bytes.js';

@@ -1,8 +1,8 @@
-import { sleep } from '../amqp/backoff.js';
 import { InFlightBytes } from '../amqp/in-flight-bytes.js';
 import { AmqpLink } from '../amqp/link.js';
 import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
+import { sleep } from '../backoff.js';
 import { redactUrl } from '../config/redact.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';

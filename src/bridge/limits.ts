@@ -1,4 +1,4 @@
-import { sleep } from '../amqp/backoff.js';
+import { sleep } from '../backoff.js';
 
 /** How many source messages a job may still take (migrate --max-messages); shared by its routes. */
 export class MessageBudget {

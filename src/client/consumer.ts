@@ -1,8 +1,8 @@
 import type { Channel, ConsumeMessage } from 'amqplib';
 import type { ChainableCommander, Cluster, Redis } from 'ioredis';
-import { backoffDelay } from '../amqp/backoff.js';
 import { installLosslessReaderFor } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
+import { backoffDelay } from '../backoff.js';
 import { REDIS_PREFIX_PATTERN, SCOPE_PATTERN } from '../config/settings.js';
 import { type ClaimState, DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
 import { keyOfField } from '../dedup/id.js';

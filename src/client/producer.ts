@@ -1,6 +1,6 @@
 import type { ConfirmChannel, Options } from 'amqplib';
 import { v4 as uuidv4 } from 'uuid';
-import { backoffDelay, sleep } from '../amqp/backoff.js';
+import { backoffDelay, sleep } from '../backoff.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
 
 /** A new duplicate-detection ID: a random UUID. */

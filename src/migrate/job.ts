@@ -1,6 +1,6 @@
-import { sleep } from '../amqp/backoff.js';
 import { connectAmqp } from '../amqp/connect.js';
 import { replyCodeOf } from '../amqp/errors.js';
+import { sleep } from '../backoff.js';
 import { type Bridge, outageLine, startBridge } from '../bridge/bridge.js';
 import type { RouteCounters } from '../bridge/counters.js';
 import type { MessageBudget } from '../bridge/limits.js';

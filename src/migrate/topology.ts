@@ -1,8 +1,8 @@
 import { connectAmqp } from '../amqp/connect.js';
-import { describe, replyCodeOf } from '../amqp/errors.js';
+import { replyCodeOf } from '../amqp/errors.js';
 import { readQueueShape } from '../amqp/management.js';
 import type { BridgeSettings } from '../config/settings.js';
-import { ConfigError, FatalConnectError } from '../errors.js';
+import { ConfigError, describe, FatalConnectError } from '../errors.js';
 import type { Logger } from '../log.js';
 
 /**
