@@ -13,9 +13,9 @@ import { deriveId } from '../dedup/id.js';
 import { ConfigError, describe, FatalConnectError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
-import { clip, PerMessageLog } from '../observe/per-message.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
+import { clip, PerMessageLog } from './per-message.js';
 
 const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value: true }));
 // The header fields a forwarded copy gets anew (see outgoing), and `_HQ_DUPL_ID` too when the
