@@ -7,7 +7,7 @@ import type { Logger } from '../log.js';
 import { classifyConnectError, unreachable } from './errors.js';
 import { AmqplibInternalsError, coalesceWrites, installLosslessReader } from './internals.js';
 
-export interface ConnectOptions {
+interface ConnectOptions {
   /** Names the side in messages and in the broker's connection list: "source" or "target". */
   side: 'source' | 'target';
   /** CA and client certificate for an amqps:// URL. */

@@ -11,7 +11,7 @@ import { clusterNameOf } from './internals.js';
 const CLOSE_TIMEOUT_MS = 3000;
 
 /** Closes a connection politely, or destroys its socket when the broker does not answer in time. */
-export async function closeWithin(connection: ChannelModel, ms: number): Promise<void> {
+async function closeWithin(connection: ChannelModel, ms: number): Promise<void> {
   const timedOut = await Promise.race([
     connection.close().then(
       () => false,
@@ -26,7 +26,7 @@ export async function closeWithin(connection: ChannelModel, ms: number): Promise
   }
 }
 
-export interface LinkOptions {
+interface LinkOptions {
   side: 'source' | 'target';
   /** Bound on the first connect; 0 retries forever. Later outages are retried until `close()`. */
   retryForMs: number;

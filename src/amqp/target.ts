@@ -9,7 +9,7 @@ import { ClosedOverSize, refusalOfClose, tooLargeDetail } from './refusal.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** Where a publish that cannot be sent says why. */
-export interface Refusal {
+interface Refusal {
   refusal?: string;
   /** The broker's words when it closed the channel this publish was in flight on. */
   closedBy?: string;
@@ -438,7 +438,7 @@ export class TargetPublisher {
 }
 
 /** The wire value of a message's `_HQ_DUPL_ID` as a map key ('' when it has none). */
-export function matchKeyOf(message: Message): string {
+function matchKeyOf(message: Message): string {
   try {
     const header = contentHeaderOf(message.properties);
     const span = header.field(DUPLICATE_ID_HEADER);

@@ -25,7 +25,7 @@ import { Pipeline } from './pipeline.js';
 const CLOSE_CONSUMER_MS = 3000;
 
 /** Which connections of a route are up, for health checks and metrics. */
-export interface RouteStatus {
+interface RouteStatus {
   source: boolean;
   target: boolean;
   redis: boolean;

@@ -31,7 +31,7 @@ const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HE
 /** The stages whose latency metrics watch: the Redis claim and commit, and the target's confirm. */
 export type LatencyStage = 'claim' | 'commit' | 'confirm';
 
-export interface RouteSettings {
+interface RouteSettings {
   name: string;
   sourceQueue: string;
   /** '' is the default exchange (then the routing key is the target queue). */

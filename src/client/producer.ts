@@ -33,7 +33,7 @@ export class DedupPublishError extends Error {
   }
 }
 
-export interface DedupPublisherOptions {
+interface DedupPublisherOptions {
   /** Attempts per message on a nack before giving up (default 5). */
   attempts?: number;
 }

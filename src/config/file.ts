@@ -274,7 +274,7 @@ const fileSchema = z
     }
   });
 
-export type ConfigFile = z.infer<typeof fileSchema>;
+type ConfigFile = z.infer<typeof fileSchema>;
 type Broker = z.infer<typeof broker>;
 type Route = z.infer<typeof route>;
 

@@ -41,7 +41,7 @@ export interface DedupId {
   strategy: string;
 }
 
-export interface IdResult {
+interface IdResult {
   id: DedupId | undefined;
   /** Strategies that matched a header of a type that cannot be an ID, e.g. "header:X (table)". */
   rejected: string[];

@@ -5,7 +5,7 @@ import { BridgeError, ExitCode } from '../errors.js';
 import type { Logger } from '../log.js';
 
 /** Another run of the same job holds the lock: exit 3. */
-export class JobLockedError extends BridgeError {
+class JobLockedError extends BridgeError {
   constructor(message: string) {
     super(message, ExitCode.locked);
   }

@@ -3,7 +3,7 @@ import type { Logger } from '../log.js';
 import { activeSpanOf, type QueueProgress } from './job.js';
 import { handledOf, rateOf as rateOver } from './report.js';
 
-export interface ProgressOptions {
+interface ProgressOptions {
   /** A live bar per queue on a terminal; otherwise one log line per interval. */
   terminal: boolean;
   quiet: boolean;

@@ -25,7 +25,7 @@ import {
 } from './report.js';
 import { declareTargetQueues } from './topology.js';
 
-export interface JobResult {
+interface JobResult {
   report: JobReport;
   exitCode: number;
   /** Lines for stderr, one per queue that did not finish cleanly. */

@@ -12,7 +12,7 @@ import type { Logger } from '../log.js';
  * Not here: x-overflow (acts only with a length limit), dead-letter targets, x-delivery-limit (it
  * acts on consumers that fail a message, the source queue's own behaviour), priorities, modes.
  */
-export const DISCARDING_ARGUMENTS: Readonly<Record<string, string>> = {
+const DISCARDING_ARGUMENTS: Readonly<Record<string, string>> = {
   'x-max-length': 'drops (or refuses) messages past a count',
   'x-max-length-bytes': 'drops (or refuses) messages past a size',
   'x-message-ttl': 'drops (or dead-letters) messages not consumed in time',

@@ -6,7 +6,7 @@ import type { Logger } from '../log.js';
 import { BridgeMetrics } from './metrics.js';
 
 /** Where `--metrics-port` / `--metrics-host` ask the metrics and health server to listen. */
-export interface MetricsEndpoint {
+interface MetricsEndpoint {
   host: string;
   /** 0: any free port (the log line `serving metrics` names it). */
   port: number;
