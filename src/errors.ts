@@ -60,3 +60,9 @@ export class StopRequested extends BridgeError {
     super(`stopped by a signal while waiting for ${what}; nothing was moved`, ExitCode.limit);
   }
 }
+
+/** An error's first line (or the value as text), for a log line or a message about it. */
+export function describe(error: unknown): string {
+  if (error instanceof Error) return error.message.split('\n')[0] ?? error.name;
+  return String(error);
+}

@@ -15,9 +15,10 @@ export {
   UNIT_SIZE_HEADER,
   type UnitMessage,
 } from './client/unit.js';
+export { type IdStrategy, parseIdFrom } from './config/id-from.js';
 export { type BridgeSettings, resolveBridgeSettings } from './config/settings.js';
 export { DedupCache } from './dedup/cache.js';
-export { DUPLICATE_ID_HEADER, deriveId, type IdStrategy, keyOfValue, parseIdFrom } from './dedup/id.js';
+export { deriveId, keyOfValue } from './dedup/id.js';
 export type { RedisClient } from './dedup/redis.js';
 export {
   BridgeError,
@@ -27,4 +28,4 @@ export {
   RuntimeFailure,
   UnavailableError,
 } from './errors.js';
-export { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from './headers.js';
+export { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from './headers.js';

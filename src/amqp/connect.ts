@@ -1,13 +1,13 @@
 import amqp, { type ChannelModel } from 'amqplib';
+import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactSecrets, redactUrl, secretsOf } from '../config/redact.js';
 import { amqpTlsOptions, type TlsFiles } from '../config/tls.js';
-import { StopRequested } from '../errors.js';
-import type { Logger } from '../observe/log.js';
-import { backoffDelay, sleepUnlessStopped } from './backoff.js';
-import { classifyConnectError, describe, unreachable } from './errors.js';
+import { describe, StopRequested } from '../errors.js';
+import type { Logger } from '../log.js';
+import { classifyConnectError, unreachable } from './errors.js';
 import { AmqplibInternalsError, coalesceWrites, installLosslessReader } from './internals.js';
 
-export interface ConnectOptions {
+interface ConnectOptions {
   /** Names the side in messages and in the broker's connection list: "source" or "target". */
   side: 'source' | 'target';
   /** CA and client certificate for an amqps:// URL. */

@@ -1,5 +1,5 @@
 import { type TlsSide, tlsFailure } from '../config/tls.js';
-import { FatalConnectError, UnavailableError } from '../errors.js';
+import { describe, FatalConnectError, UnavailableError } from '../errors.js';
 
 // amqplib reports a refused handshake as a bare Error whose text carries the AMQP reply code, and
 // socket failures as Node errors with a `code`. This is the one place that reads them.
@@ -71,9 +71,4 @@ export function unreachable(where: string, error: unknown, retriedMs: number): U
   return new UnavailableError(
     `${where} is unreachable (${reason}) after retrying for ${Math.round(retriedMs / 1000)}s; check that it runs and the host and port in the URL`,
   );
-}
-
-export function describe(error: unknown): string {
-  if (error instanceof Error) return error.message.split('\n')[0] ?? error.name;
-  return String(error);
 }

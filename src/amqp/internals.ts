@@ -190,7 +190,7 @@ const ROUTING_BYTES = Symbol.for('dedup-bridge.routing-bytes');
 const NO_BYTES = Buffer.alloc(0);
 
 /** The exchange and routing key of a delivery as the broker sent them (amqplib decodes them as UTF-8). */
-export interface RoutingBytes {
+interface RoutingBytes {
   exchange: Buffer;
   routingKey: Buffer;
 }
@@ -276,7 +276,7 @@ export function coalesceWrites(model: ChannelModel): void {
 export class ChannelGoneError extends Error {}
 
 /** The message cannot be published as it is (its content header does not fit a frame). */
-export class UnpublishableError extends Error {}
+class UnpublishableError extends Error {}
 
 /**
  * Publishes a message whose content header is given as raw bytes (property flags and list), on a

@@ -1,18 +1,17 @@
 import type { ChannelModel } from 'amqplib';
+import { backoffDelay, sleep } from '../backoff.js';
 import { redactUrl } from '../config/redact.js';
 import type { TlsFiles } from '../config/tls.js';
-import { BridgeError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
-import { backoffDelay, sleep } from './backoff.js';
+import { BridgeError, describe } from '../errors.js';
+import type { Logger } from '../log.js';
 import { ConnectCancelled, connectAmqpAny, vhostOf } from './connect.js';
-import { describe } from './errors.js';
 import { clusterNameOf } from './internals.js';
 
 // A broker under a resource alarm may never read our Close: give it this long, then drop the socket.
 const CLOSE_TIMEOUT_MS = 3000;
 
 /** Closes a connection politely, or destroys its socket when the broker does not answer in time. */
-export async function closeWithin(connection: ChannelModel, ms: number): Promise<void> {
+async function closeWithin(connection: ChannelModel, ms: number): Promise<void> {
   const timedOut = await Promise.race([
     connection.close().then(
       () => false,
@@ -27,7 +26,7 @@ export async function closeWithin(connection: ChannelModel, ms: number): Promise
   }
 }
 
-export interface LinkOptions {
+interface LinkOptions {
   side: 'source' | 'target';
   /** Bound on the first connect; 0 retries forever. Later outages are retried until `close()`. */
   retryForMs: number;

@@ -5,7 +5,7 @@
  */
 const TOO_LARGE = /message size (\d+) is larger than (?:configured )?max size (\d+)/;
 
-export interface ChannelRefusal {
+interface ChannelRefusal {
   /** Why the message is refused, for the log line and the park reason. */
   detail: string;
   /** The target's max_message_size, when that is what refused it. */

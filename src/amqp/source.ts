@@ -1,12 +1,12 @@
 import type { Channel, ChannelModel, ConfirmChannel, ConsumeMessage, Message } from 'amqplib';
-import { InFlightBytes } from '../bridge/limits.js';
+import { sleep } from '../backoff.js';
 import type { SourceDeliveryLimit } from '../config/settings.js';
 import { type BridgeError, FatalConnectError } from '../errors.js';
 import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
-import type { Logger } from '../observe/log.js';
-import { sleep } from './backoff.js';
+import type { Logger } from '../log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { encodeValue, rawField } from './fields.js';
+import { InFlightBytes } from './in-flight-bytes.js';
 import { publishRaw, serverVersionOf } from './internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './properties.js';
 
@@ -47,7 +47,7 @@ function tagged(deliveryTag: number): Message {
  * metrics server asks every 2 s (a passive queue.declare on the source connection), so this
  * allows for answers that take a few seconds; an unanswered ask makes the route not ready by then.
  */
-export const BROKER_VIEW_MAX_AGE_MS = 10_000;
+const BROKER_VIEW_MAX_AGE_MS = 10_000;
 
 /** What the broker said of the queue in answer to a passive declare sent at `sentAt`. */
 interface QueueView {
@@ -65,7 +65,7 @@ interface QueueView {
  * quorum queue one, 20 by default), past which the broker drops or dead-letters the message;
  * 'unknown' is treated like a quorum queue.
  */
-export type SourceQueueType = 'classic' | 'quorum' | 'stream' | 'unknown' | (string & {});
+type SourceQueueType = 'classic' | 'quorum' | 'stream' | 'unknown' | (string & {});
 
 /** Matches a parked copy that came back unroutable to its publish. */
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';

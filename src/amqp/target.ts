@@ -1,7 +1,7 @@
 import type { ChannelModel, ConfirmChannel, Message } from 'amqplib';
-import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
 import type { BridgeError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import { DUPLICATE_ID_HEADER } from '../headers.js';
+import type { Logger } from '../log.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';
 import { ContentHeaderError, contentHeaderOf } from './properties.js';
@@ -9,7 +9,7 @@ import { ClosedOverSize, refusalOfClose, tooLargeDetail } from './refusal.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
 /** Where a publish that cannot be sent says why. */
-export interface Refusal {
+interface Refusal {
   refusal?: string;
   /** The broker's words when it closed the channel this publish was in flight on. */
   closedBy?: string;
@@ -438,7 +438,7 @@ export class TargetPublisher {
 }
 
 /** The wire value of a message's `_HQ_DUPL_ID` as a map key ('' when it has none). */
-export function matchKeyOf(message: Message): string {
+function matchKeyOf(message: Message): string {
   try {
     const header = contentHeaderOf(message.properties);
     const span = header.field(DUPLICATE_ID_HEADER);

@@ -1,7 +1,8 @@
-import { sleep } from '../amqp/backoff.js';
+import { InFlightBytes } from '../amqp/in-flight-bytes.js';
 import { AmqpLink } from '../amqp/link.js';
 import { SourceQueue } from '../amqp/source.js';
 import { TargetPublisher } from '../amqp/target.js';
+import { sleep } from '../backoff.js';
 import { redactUrl } from '../config/redact.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';
@@ -15,8 +16,8 @@ import {
   untilRedisAnswers,
 } from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
-import type { Logger } from '../observe/log.js';
-import { InFlightBytes, MessageBudget } from './limits.js';
+import type { Logger } from '../log.js';
+import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
 // A broker under a resource alarm may never answer a channel close: then the connection's own
@@ -24,7 +25,7 @@ import { Pipeline } from './pipeline.js';
 const CLOSE_CONSUMER_MS = 3000;
 
 /** Which connections of a route are up, for health checks and metrics. */
-export interface RouteStatus {
+interface RouteStatus {
   source: boolean;
   target: boolean;
   redis: boolean;

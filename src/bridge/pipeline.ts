@@ -1,20 +1,21 @@
 import type { ConsumeMessage } from 'amqplib';
-import { backoffDelay, sleep } from '../amqp/backoff.js';
-import { describe } from '../amqp/errors.js';
 import { encodeValue, rawField } from '../amqp/fields.js';
 import { routingBytesOf } from '../amqp/internals.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import { refusalOfClose } from '../amqp/refusal.js';
 import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
+import { backoffDelay, sleep } from '../backoff.js';
+import type { IdStrategy } from '../config/id-from.js';
+import type { UnroutablePolicy } from '../config/settings.js';
 import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
-import { DUPLICATE_ID_HEADER, deriveId, type IdStrategy } from '../dedup/id.js';
-import { ConfigError, FatalConnectError } from '../errors.js';
-import { IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
-import type { Logger } from '../observe/log.js';
-import { clip, PerMessageLog } from '../observe/per-message.js';
+import { deriveId } from '../dedup/id.js';
+import { ConfigError, describe, FatalConnectError } from '../errors.js';
+import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
+import type { Logger } from '../log.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
+import { clip, PerMessageLog } from './per-message.js';
 
 const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value: true }));
 // The header fields a forwarded copy gets anew (see outgoing), and `_HQ_DUPL_ID` too when the
@@ -27,12 +28,10 @@ const CC_HEADERS: readonly string[] = ['CC', 'BCC'];
 const REPLACED_NO_CC: readonly string[] = [...REPLACED, ...CC_HEADERS];
 const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HEADERS];
 
-export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
-
 /** The stages whose latency metrics watch: the Redis claim and commit, and the target's confirm. */
 export type LatencyStage = 'claim' | 'commit' | 'confirm';
 
-export interface RouteSettings {
+interface RouteSettings {
   name: string;
   sourceQueue: string;
   /** '' is the default exchange (then the routing key is the target queue). */

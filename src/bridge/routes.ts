@@ -1,6 +1,6 @@
 import type { BridgeSettings } from '../config/settings.js';
 import { BridgeError, ExitCode, UnavailableError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { type Bridge, type BridgeLimits, outageLine, startBridge } from './bridge.js';
 
 // `run` with a config file runs several routes in one process, each a bridge with its own

@@ -1,11 +1,11 @@
+import { type QueueShape, readQueueShape } from '../amqp/management.js';
 import { formatDuration, parseDuration } from '../config/duration.js';
 import { type BridgeSettings, DEFAULTS, type SourceDeliveryLimit } from '../config/settings.js';
 import { ConfigError, UnavailableError } from '../errors.js';
-import { type QueueShape, readQueueShape } from '../migrate/topology.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 
 /** How long a message may stay in a queue, and what says so. */
-export interface MessageTtl {
+interface MessageTtl {
   ms: number;
   from: string;
 }
@@ -19,7 +19,7 @@ function millis(value: unknown): number | undefined {
  * The queue's message TTL: its x-message-ttl argument or its policy's message-ttl, the lower when
  * both are set (as RabbitMQ applies them); undefined when messages may stay forever.
  */
-export function messageTtlOf(shape: QueueShape): MessageTtl | undefined {
+function messageTtlOf(shape: QueueShape): MessageTtl | undefined {
   const candidates: MessageTtl[] = [];
   const argument = millis(shape.arguments['x-message-ttl']);
   if (argument !== undefined) candidates.push({ ms: argument, from: 'x-message-ttl' });
@@ -33,11 +33,7 @@ export function messageTtlOf(shape: QueueShape): MessageTtl | undefined {
  * can happen when the queue keeps messages longer than the dedup window, or keeps them forever and
  * the window was shortened below its default.
  */
-export function windowWarning(
-  queue: string,
-  ttl: MessageTtl | undefined,
-  windowMs: number,
-): string | undefined {
+function windowWarning(queue: string, ttl: MessageTtl | undefined, windowMs: number): string | undefined {
   const window = formatDuration(windowMs);
   if (ttl !== undefined && ttl.ms > windowMs) {
     return `source queue "${queue}" keeps messages up to ${formatDuration(ttl.ms)} (${ttl.from}), longer than --dedup-window ${window}: a copy delivered after its ID expired is forwarded again; raise --dedup-window to at least ${formatDuration(ttl.ms)}`;
@@ -109,7 +105,7 @@ export async function sourceTtlWarnings(
  * the lower when both are set, and where a message past it goes. Undefined for a classic queue
  * (it counts no deliveries); a stream is refused at start.
  */
-export function deliveryLimitOf(shape: QueueShape): SourceDeliveryLimit | undefined {
+function deliveryLimitOf(shape: QueueShape): SourceDeliveryLimit | undefined {
   if (shape.type === 'classic' || shape.type === 'stream') return undefined;
   const candidates: { limit: number; from: string }[] = [];
   const argument = millis(shape.arguments['x-delivery-limit']);
@@ -129,7 +125,7 @@ export function deliveryLimitOf(shape: QueueShape): SourceDeliveryLimit | undefi
  * With `--on-unroutable dead-letter` the bridge rejects what it cannot forward to the source
  * queue's dead-letter exchange; a queue without one (argument or policy) makes RabbitMQ drop it.
  */
-export function deadLetterProblem(route: BridgeSettings, shape: QueueShape): string | undefined {
+function deadLetterProblem(route: BridgeSettings, shape: QueueShape): string | undefined {
   if (route.onUnroutable !== 'dead-letter') return undefined;
   if (shape.arguments['x-dead-letter-exchange'] !== undefined) return undefined;
   if (shape.policy['dead-letter-exchange'] !== undefined) return undefined;

@@ -17,9 +17,10 @@ import { FILE_VARIABLES, readSecretFile, withoutValue } from '../config/secret-s
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
 import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, FatalConnectError, StopRequested } from '../errors.js';
+import type { Logger } from '../log.js';
 import { formatJobReport } from '../migrate/report.js';
 import { type JobContext, runMigration, stoppedJobReport, writeReport } from '../migrate/runner.js';
-import { createLogger, type Logger } from '../observe/log.js';
+import { createLogger } from '../observe/log.js';
 import { type ObserveServer, resolveMetricsEndpoint, startObserveServer } from '../observe/server.js';
 import { addCacheCommands } from './cache.js';
 import { addConfigCommands } from './config.js';

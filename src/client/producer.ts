@@ -1,7 +1,7 @@
 import type { ConfirmChannel, Options } from 'amqplib';
 import { v4 as uuidv4 } from 'uuid';
-import { backoffDelay, sleep } from '../amqp/backoff.js';
-import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
+import { backoffDelay, sleep } from '../backoff.js';
+import { DUPLICATE_ID_HEADER } from '../headers.js';
 
 /** A new duplicate-detection ID: a random UUID. */
 export function newDedupId(): string {
@@ -33,7 +33,7 @@ export class DedupPublishError extends Error {
   }
 }
 
-export interface DedupPublisherOptions {
+interface DedupPublisherOptions {
   /** Attempts per message on a nack before giving up (default 5). */
   attempts?: number;
 }

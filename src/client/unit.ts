@@ -1,5 +1,5 @@
 import type { ConfirmChannel, Options } from 'amqplib';
-import { DUPLICATE_ID_HEADER } from '../dedup/id.js';
+import { DUPLICATE_ID_HEADER } from '../headers.js';
 
 export const UNIT_ID_HEADER = 'x-dedup-unit-id';
 export const UNIT_SIZE_HEADER = 'x-dedup-unit-size';

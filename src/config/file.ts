@@ -1,10 +1,10 @@
 import { readFileSync } from 'node:fs';
 import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
-import { describeStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
-import { LOG_LEVELS } from '../observe/log.js';
+import { LOG_LEVELS } from '../log.js';
 import { FOREVER, formatDuration, formatRetryFor, parseDuration, parseRetryFor } from './duration.js';
+import { describeStrategy, parseIdFrom } from './id-from.js';
 import { checkManagementCa, checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
 import { urlOrReference } from './secret-source.js';
@@ -274,7 +274,7 @@ const fileSchema = z
     }
   });
 
-export type ConfigFile = z.infer<typeof fileSchema>;
+type ConfigFile = z.infer<typeof fileSchema>;
 type Broker = z.infer<typeof broker>;
 type Route = z.infer<typeof route>;
 

@@ -31,7 +31,7 @@ export type RedisTopology =
       tls: boolean;
     };
 
-export const REDIS_URL_EXAMPLES =
+const REDIS_URL_EXAMPLES =
   'redis://host:6379, redis-sentinel://host:26379,host:26379/mymaster or redis-cluster://host:6379,host:6379 (rediss… for TLS)';
 
 const STANDALONE = ['redis:', 'rediss:'];

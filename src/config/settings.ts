@@ -1,13 +1,15 @@
 import { z } from 'zod';
-import type { UnroutablePolicy } from '../bridge/pipeline.js';
-import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../dedup/id.js';
 import { ConfigError } from '../errors.js';
-import { LOG_LEVELS, type LogLevel } from '../observe/log.js';
+import { LOG_LEVELS, type LogLevel } from '../log.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
+import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from './id-from.js';
 import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { parseSize } from './size.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
+
+/** What the bridge does with a message the target cannot route (--on-unroutable). */
+export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
 
 /** The defaults, documented in docs/cli.md; change both together. */
 export const DEFAULTS = {

@@ -43,7 +43,7 @@ type FileKind = (typeof FILE_KINDS)[number];
 const TLS_SCHEME: Record<TlsSide, string> = { source: 'amqps', target: 'amqps', redis: 'rediss' };
 const URL_FLAG: Record<TlsSide, string> = { source: '--source', target: '--target', redis: '--redis' };
 
-export function isTlsUrl(url: string): boolean {
+function isTlsUrl(url: string): boolean {
   // The Sentinel and Cluster forms are not WHATWG URLs: read the scheme as text.
   const scheme = /^([a-z][a-z0-9+.-]*):\/\//i.exec(url)?.[1]?.toLowerCase();
   return (

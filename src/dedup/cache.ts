@@ -63,16 +63,16 @@ export function newOwnerToken(): string {
  * by that one, not by what the caller read at start: the slice length of a scope with nothing
  * committed may be changed by a process with a longer window (see `open`).
  */
-export interface CacheLayout {
+interface CacheLayout {
   shards: number;
   sliceMs: number;
 }
 
 /** Slot shards of a new scope on a Redis Cluster: enough to spread a busy scope over the masters. */
-export const CLUSTER_SHARDS = 16;
+const CLUSTER_SHARDS = 16;
 const MIN_SLICE_MS = 60_000;
 /** Slices a lookup may walk: a window this many times its scope's slice length is refused. */
-export const MAX_SLICES_PER_WINDOW = 16;
+const MAX_SLICES_PER_WINDOW = 16;
 
 /** A quarter of the window, at least 1 min: IDs are kept up to one slice past the window. */
 export function sliceLengthFor(windowMs: number): number {
@@ -175,7 +175,7 @@ function withMeta(base: string, keys: readonly string[]): [number, ...string[]] 
  * How long one WAIT may block the commit connection while the replicas are behind. It is then sent
  * again, with the commit, for as long as it takes: the caller acks nothing meanwhile.
  */
-export const WAIT_TIMEOUT_MS = 500;
+const WAIT_TIMEOUT_MS = 500;
 /** The most IDs of one shard that go in one commit under --redis-wait-replicas (--batch-size's limit). */
 const MAX_GROUP_IDS = 5000;
 /** How long a shard's write mark (see commitDurably) outlives the last commit that set it. */
@@ -186,7 +186,7 @@ const COMMIT_LUA = loadScript('commit');
 const COMMIT_SHA = hash('sha1', COMMIT_LUA, 'hex');
 
 /** Commits waiting on replicas (behind: true), and their end; see DedupCacheOptions.onReplicas. */
-export interface ReplicaEvent {
+interface ReplicaEvent {
   behind: boolean;
   /** --redis-wait-replicas */
   wanted: number;
@@ -234,7 +234,7 @@ export interface DedupCacheOptions {
   onReplicas?: (event: ReplicaEvent) => void;
 }
 
-export interface IdRecord {
+interface IdRecord {
   state: 'unknown' | 'committed' | 'claimed';
   /** Time before the record expires, in ms; -2 when there is none. */
   ttlMs: number;

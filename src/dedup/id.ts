@@ -3,14 +3,8 @@ import { createHash } from 'node:crypto';
 import { v5 as uuidv5 } from 'uuid';
 import { encodeValue, type FieldValue } from '../amqp/fields.js';
 import type { ContentHeader } from '../amqp/properties.js';
-import { ConfigError } from '../errors.js';
+import type { IdStrategy } from '../config/id-from.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
-
-/** Where a message's dedup ID comes from; `--id-from` is an ordered list of these. */
-export type IdStrategy = { kind: 'header'; name: string } | { kind: 'message-id' } | { kind: 'content' };
-
-export { DUPLICATE_ID_HEADER };
-export const DEFAULT_ID_FROM = 'header:_HQ_DUPL_ID,header:_AMQ_DUPL_ID,message-id,content';
 
 /** IDs longer than this many bytes are keyed by their SHA-256, so keys stay small. */
 export const MAX_ID_BYTES = 200;
@@ -24,30 +18,6 @@ const CONTENT_NAMESPACE = '3f1c7a52-9b0e-4d4e-8f5a-6c2b9d1e0a47';
 
 // Headers that differ between deliveries of the same message, or that the bridge itself writes.
 const VOLATILE_HEADER = /^(x-death|x-first-death-|x-last-death-|x-delivery-count|x-dedup-)/;
-
-export function parseIdFrom(text: string): IdStrategy[] {
-  const items = text
-    .split(',')
-    .map((item) => item.trim())
-    .filter((item) => item.length > 0);
-  if (items.length === 0) {
-    throw new ConfigError('--id-from: empty list; give e.g. header:_HQ_DUPL_ID,message-id,content');
-  }
-  return items.map((item): IdStrategy => {
-    if (item === 'message-id') return { kind: 'message-id' };
-    if (item === 'content') return { kind: 'content' };
-    if (item.startsWith('header:') && item.length > 'header:'.length) {
-      return { kind: 'header', name: item.slice('header:'.length) };
-    }
-    throw new ConfigError(
-      `--id-from: "${item}" is not a strategy; use header:NAME, message-id or content (comma-separated, first match wins)`,
-    );
-  });
-}
-
-export function describeStrategy(strategy: IdStrategy): string {
-  return strategy.kind === 'header' ? `header:${strategy.name}` : strategy.kind;
-}
 
 /** The parts of an AMQP message the ID strategies look at: its raw content header among them. */
 export interface IdSource {
@@ -71,7 +41,7 @@ export interface DedupId {
   strategy: string;
 }
 
-export interface IdResult {
+interface IdResult {
   id: DedupId | undefined;
   /** Strategies that matched a header of a type that cannot be an ID, e.g. "header:X (table)". */
   rejected: string[];

@@ -1,8 +1,7 @@
 import { BridgeError, ConfigError, ExitCode } from '../errors.js';
 import { DedupCache } from './cache.js';
 import { keyOfBytes, keyOfValue } from './id.js';
-import type { RedisClient } from './redis.js';
-import { masterNodes } from './slots.js';
+import { masterNodes, type RedisClient } from './redis.js';
 
 /**
  * An ID as the cache tools take it, with the key the bridge files it under (see dedup/id): the
@@ -80,16 +79,16 @@ export function humanDuration(ms: number | undefined): string {
 }
 
 /** The scope the cache tools were given does not exist: they say so, with the ones that do. */
-export class NoSuchScopeError extends ConfigError {}
+class NoSuchScopeError extends ConfigError {}
 
 /** Reset-scope refused: a bridge or job is forwarding on the scope right now (exit 3). */
-export class ScopeInUseError extends BridgeError {
+class ScopeInUseError extends BridgeError {
   constructor(message: string) {
     super(message, ExitCode.locked);
   }
 }
 
-export interface IdState {
+interface IdState {
   id: string;
   /** The ID's key form (see ToolId). */
   idKey: string;
@@ -142,7 +141,7 @@ function glob(text: string): string {
  * The scopes stored under a prefix, sorted: one SCAN per server (each master of a Cluster) for the
  * scopes' layout keys `<prefix>:{<scope>}:layout` (a slot shard's `{<scope> <n>}` is skipped).
  */
-export async function listScopes(redis: RedisClient, prefix: string): Promise<string[]> {
+async function listScopes(redis: RedisClient, prefix: string): Promise<string[]> {
   const head = `${prefix}:{`;
   const found = new Set<string>();
   for (const node of masterNodes(redis)) {
@@ -198,7 +197,7 @@ function parseClaim(
   return { owner: match?.[1], inDoubt: match?.[3] === '1' || !live, leaseMs: live ? expiry - now : 0 };
 }
 
-export interface ScopeStats {
+interface ScopeStats {
   committed: number;
   claimed: number;
   /** Bytes Redis reports for a sample of the keys, scaled to all of them. */
@@ -287,7 +286,7 @@ export async function forgetIds(
   return removed;
 }
 
-export interface ResetResult {
+interface ResetResult {
   /** Committed IDs the scope held (live slices), now forgotten. */
   committed: number;
   /** Claims left by processes that stopped (in doubt or lapsed), now forgotten. */

@@ -1,7 +1,6 @@
 import { type ConnectionOptions, connect as tlsConnect } from 'node:tls';
 import { Cluster, Redis } from 'ioredis';
-import { backoffDelay, sleepUnlessStopped } from '../amqp/backoff.js';
-import { describe } from '../amqp/errors.js';
+import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactSecrets, secretsOf } from '../config/redact.js';
 import {
   describeRedis,
@@ -10,12 +9,16 @@ import {
   type RedisTopology,
 } from '../config/redis-url.js';
 import { redisNodeTlsOptions, redisTlsOptions, type TlsFiles, tlsFailure } from '../config/tls.js';
-import { ConfigError, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
-import { masterNodes } from './slots.js';
+import { ConfigError, describe, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
+import type { Logger } from '../log.js';
 
 /** What the rest of the code talks to: one server (alone or found through Sentinel) or a Cluster. */
 export type RedisClient = Redis | Cluster;
+
+/** The servers that hold keys: every master of a Cluster, or the one server otherwise. */
+export function masterNodes(redis: RedisClient): Redis[] {
+  return redis instanceof Cluster ? redis.nodes('master') : [redis];
+}
 
 // Replies that mean the URL's credentials or database are wrong: retrying cannot fix them.
 const FATAL_REPLY = /^(WRONGPASS|NOAUTH|NOPERM|ERR invalid password|ERR AUTH|ERR DB index is out of range)/;

@@ -9,7 +9,7 @@ import type { BridgeSettings } from '../config/settings.js';
 import { DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { buildQueueReport, type QueueReport } from './report.js';
 
 /**

@@ -1,12 +1,12 @@
-import { sleep } from '../amqp/backoff.js';
 import { connectAmqp } from '../amqp/connect.js';
 import { replyCodeOf } from '../amqp/errors.js';
+import { sleep } from '../backoff.js';
 import { type Bridge, outageLine, startBridge } from '../bridge/bridge.js';
 import type { RouteCounters } from '../bridge/counters.js';
 import type { MessageBudget } from '../bridge/limits.js';
 import type { BridgeSettings } from '../config/settings.js';
 import type { BridgeError } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import type { RouteWatch } from '../observe/server.js';
 import {
   type ActiveSpan,

@@ -2,10 +2,10 @@ import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
 import { asMissingGrant, type RedisClient } from '../dedup/redis.js';
 import { BridgeError, ExitCode } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 
 /** Another run of the same job holds the lock: exit 3. */
-export class JobLockedError extends BridgeError {
+class JobLockedError extends BridgeError {
   constructor(message: string) {
     super(message, ExitCode.locked);
   }

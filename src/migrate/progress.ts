@@ -1,9 +1,9 @@
 import cliProgress from 'cli-progress';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import { activeSpanOf, type QueueProgress } from './job.js';
 import { handledOf, rateOf as rateOver } from './report.js';
 
-export interface ProgressOptions {
+interface ProgressOptions {
   /** A live bar per queue on a terminal; otherwise one log line per interval. */
   terminal: boolean;
   quiet: boolean;

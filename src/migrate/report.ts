@@ -7,7 +7,7 @@ export type QueueOutcome = 'drained' | 'limit' | 'interrupted' | 'stalled' | 'fa
  * stopped before it moved anything is `refused` (exit 2: options, configuration, credentials, a
  * missing queue), `locked` (exit 3: another run holds the job) or `failed` (exit 1).
  */
-export type JobOutcome = QueueOutcome | 'partial' | 'refused' | 'locked';
+type JobOutcome = QueueOutcome | 'partial' | 'refused' | 'locked';
 
 /** Counts of one queue's source messages by outcome. */
 export interface QueueReport {
@@ -168,7 +168,7 @@ export function rateOf(handled: number, activeMs: number): number {
 }
 
 /** The time covered by the spans together, overlaps counted once. */
-export function spanLength(spans: readonly ActiveSpan[]): number {
+function spanLength(spans: readonly ActiveSpan[]): number {
   let total = 0;
   let end = Number.NEGATIVE_INFINITY;
   for (const span of [...spans].sort((a, b) => a.from - b.from)) {

@@ -10,7 +10,7 @@ import type { BridgeSettings } from '../config/settings.js';
 import { newOwnerToken } from '../dedup/cache.js';
 import { connectRedis, untilRedisAnswers } from '../dedup/redis.js';
 import { BridgeError, ExitCode, RuntimeFailure, StopRequested } from '../errors.js';
-import type { Logger } from '../observe/log.js';
+import type { Logger } from '../log.js';
 import type { RouteWatch } from '../observe/server.js';
 import { dryRunQueue } from './dry-run.js';
 import { activeSpanOf, type JobControl, migrateQueue, type QueueProgress, type QueueResult } from './job.js';
@@ -25,7 +25,7 @@ import {
 } from './report.js';
 import { declareTargetQueues } from './topology.js';
 
-export interface JobResult {
+interface JobResult {
   report: JobReport;
   exitCode: number;
   /** Lines for stderr, one per queue that did not finish cleanly. */

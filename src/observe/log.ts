@@ -1,9 +1,6 @@
 import { pino } from 'pino';
+import type { Logger, LogLevel } from '../log.js';
 import { readableLine } from './readable.js';
-
-export type Logger = pino.Logger;
-export type LogLevel = 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
-export const LOG_LEVELS: readonly LogLevel[] = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'];
 
 /**
  * Logs on stdout, written synchronously so that nothing is lost when the process exits: JSON lines

@@ -2,11 +2,11 @@ import { createServer, type IncomingMessage, type ServerResponse } from 'node:ht
 import type { AddressInfo } from 'node:net';
 import type { Bridge } from '../bridge/bridge.js';
 import { ConfigError } from '../errors.js';
-import type { Logger } from './log.js';
+import type { Logger } from '../log.js';
 import { BridgeMetrics } from './metrics.js';
 
 /** Where `--metrics-port` / `--metrics-host` ask the metrics and health server to listen. */
-export interface MetricsEndpoint {
+interface MetricsEndpoint {
   host: string;
   /** 0: any free port (the log line `serving metrics` names it). */
   port: number;

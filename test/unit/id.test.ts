@@ -4,18 +4,16 @@ import { dirname, join } from 'node:path';
 import { v5 as uuidv5 } from 'uuid';
 import { describe, expect, it } from 'vitest';
 import { ContentHeader } from '../../src/amqp/properties.js';
+import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../../src/config/id-from.js';
 import {
   contentId,
-  DEFAULT_ID_FROM,
   type DedupId,
   deriveId,
   type IdSource,
-  type IdStrategy,
   keyOfBytes,
   keyOfField,
   keyOfValue,
   MAX_ID_BYTES,
-  parseIdFrom,
 } from '../../src/dedup/id.js';
 import { ConfigError } from '../../src/errors.js';
 import {

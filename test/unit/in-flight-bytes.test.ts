@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { InFlightBytes } from '../../src/bridge/limits.js';
+import { InFlightBytes } from '../../src/amqp/in-flight-bytes.js';
 
 const MiB = 1024 * 1024;
 

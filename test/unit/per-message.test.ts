@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import type { Logger } from '../../src/observe/log.js';
-import { clip, PerMessageLog } from '../../src/observe/per-message.js';
+import { clip, PerMessageLog } from '../../src/bridge/per-message.js';
+import type { Logger } from '../../src/log.js';
 
 /** A logger that keeps its lines (a fake is fine here: PerMessageLog only counts and forwards). */
 function recorder(): {

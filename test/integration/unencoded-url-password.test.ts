@@ -19,7 +19,7 @@ describe('a user name with an @ and an unencoded password that reads as a port a
   let files: string;
 
   beforeAll(() => {
-    files = mkdtempSync(join(tmpdir(), 'dedup-review18-'));
+    files = mkdtempSync(join(tmpdir(), 'dedup-unencoded-url-'));
   });
 
   afterAll(() => {

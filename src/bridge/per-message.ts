@@ -1,4 +1,4 @@
-import type { Logger } from './log.js';
+import type { Logger } from '../log.js';
 
 /** How many lines of one kind are written per interval; the rest are counted and summed up. */
 const LINES_PER_INTERVAL = 10;
