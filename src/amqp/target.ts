@@ -18,7 +18,7 @@ interface Refusal {
    * after any wait for the connection, an alarm or a full buffer (undefined: no limit).
    */
   writeBy?: number;
-  /** Set when it is written (handed to the connection), not merely waiting to be. */
+  /** Set while it is written (handed to the connection) and unanswered, not merely waiting. */
   written?: boolean;
 }
 
@@ -362,6 +362,8 @@ export class TargetPublisher {
     this.pending.set(matchKey, pending);
     const settle = (outcome: PublishOutcome) => {
       if (this.pending.get(matchKey) === pending) this.pending.delete(matchKey);
+      // Answered: nothing of it is on its way any more.
+      note.written = false;
       answered(outcome);
       if (this.quietWaiters.length > 0) this.wakeIfQuiet();
     };

@@ -916,6 +916,8 @@ export class Pipeline {
           if (entry.outstanding && entry.written) lostOut++;
           entry.leaseUntil = 0;
           entry.writeBy = 0;
+          // Not renewed again (each round would find it lost anew): a new claim adds it back.
+          this.claimed.delete(entry);
         });
         if (lost === 0) return;
         this.counters.leaseLost += lost;
