@@ -2,7 +2,7 @@ import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
 import type { Channel, ChannelModel } from 'amqplib';
 import { RuntimeFailure } from '../errors.js';
-import { propertiesFor } from './properties.js';
+import { propertiesFor } from '../wire/properties.js';
 
 /**
  * Every amqplib internal the bridge relies on, in one place, for the exact version pinned in

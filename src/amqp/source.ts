@@ -4,11 +4,12 @@ import type { SourceDeliveryLimit } from '../config/settings.js';
 import { type BridgeError, FatalConnectError } from '../errors.js';
 import { PARK_REASON_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
+import type { Source } from '../ports.js';
+import { encodeValue, rawField } from '../wire/fields.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../wire/properties.js';
 import { accessRefused, replyCodeOf } from './errors.js';
-import { encodeValue, rawField } from './fields.js';
 import { InFlightBytes } from './in-flight-bytes.js';
-import { publishRaw, serverVersionOf } from './internals.js';
-import { type ContentHeader, ContentHeaderError, contentHeaderOf } from './properties.js';
+import { publishRaw, routingBytesOf, serverVersionOf } from './internals.js';
 
 // The channel that delivered a message, kept on the message itself: a WeakMap entry per message
 // cost the garbage collector more than the rest of the lookup.
@@ -77,7 +78,7 @@ const PARK_HEADERS = [PARK_REASON_HEADER, PARK_SEQ_HEADER];
  * attached to each new connection; a message is acked or nacked only on the channel that delivered
  * it, so a delivery tag from a lost channel can never ack another message.
  */
-export class SourceQueue {
+export class SourceQueue implements Source {
   private channel: Channel | undefined;
   private probe: Channel | undefined;
   private parkChannel: ConfirmChannel | undefined;
@@ -488,8 +489,27 @@ export class SourceQueue {
     }
   }
 
-  /** Returns a message to the queue (requeue) or hands it to the queue's dead-letter exchange. */
-  nack(message: ConsumeMessage, requeue: boolean): boolean {
+  /** The content header as the broker sent it (see installLosslessReader). */
+  headerOf(message: ConsumeMessage): ContentHeader {
+    return contentHeaderOf(message.properties);
+  }
+
+  /** The exchange and routing key as the broker sent them (amqplib's text may have lost bytes). */
+  routingOf(message: ConsumeMessage): { exchange: string | Buffer; routingKey: string | Buffer } {
+    return routingBytesOf(message.fields) ?? message.fields;
+  }
+
+  /** Returns a message to the queue: the broker delivers it again. */
+  requeue(message: ConsumeMessage): boolean {
+    return this.nack(message, true);
+  }
+
+  /** Hands a message to the queue's dead-letter exchange (dropped where the queue has none). */
+  deadLetter(message: ConsumeMessage): boolean {
+    return this.nack(message, false);
+  }
+
+  private nack(message: ConsumeMessage, requeue: boolean): boolean {
     this.release(message);
     const channel = this.liveChannelOf(message);
     if (!channel) return false;

@@ -1,26 +1,14 @@
 import type { ChannelModel, ConfirmChannel, Message } from 'amqplib';
+import { BoundedMap } from '../bounded-map.js';
 import type { BridgeError } from '../errors.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
+import type { Publish, PublishOutcome, Target } from '../ports.js';
+import { ContentHeaderError, contentHeaderOf } from '../wire/properties.js';
 import { accessRefused, replyCodeOf } from './errors.js';
 import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';
-import { ContentHeaderError, contentHeaderOf } from './properties.js';
 import { ClosedOverSize, refusalOfClose, tooLargeDetail } from './refusal.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
-
-/** Where a publish that cannot be sent says why. */
-interface Refusal {
-  refusal?: string;
-  /** The broker's words when it closed the channel this publish was in flight on. */
-  closedBy?: string;
-  /**
-   * performance.now() past which this message must not be written: checked at the write itself,
-   * after any wait for the connection, an alarm or a full buffer (undefined: no limit).
-   */
-  writeBy?: number;
-  /** Set while it is written (handed to the connection) and unanswered, not merely waiting. */
-  written?: boolean;
-}
 
 /** A body this many times the largest the target took is tried alone (see untried). */
 const UNTRIED_GROWTH = 1.25;
@@ -28,17 +16,14 @@ const UNTRIED_GROWTH = 1.25;
 /** The reply code with which a broker closes a channel over one message it refuses. */
 const MESSAGE_REFUSED = 406;
 
-/** What the target said about one publish. */
-export type PublishOutcome =
-  | 'confirmed' // stored (and routed) by the target
-  | 'returned' // unroutable: no queue bound for it (basic.return, then confirmed)
-  | 'nacked' // the target refused it (e.g. a queue over its length limit with reject-publish)
-  | 'lost' // the connection went away before the confirm: the target may or may not hold it
-  | 'killed' // the broker closed the channel with an error while this was in flight (maybe for it)
-  | 'unpublishable' // the bridge cannot publish it as it is (never sent; see lastRefusal)
-  | 'fenced' // not sent: its `writeBy` had passed (the lease it goes under is not known live)
-  | 'too-large' // over the target's max_message_size: refused by the broker, or known to be (see refusal)
-  | 'discarded'; // never stored: not sent (its channel was gone), or dropped unread after a close
+/**
+ * What one write said, before the target sorts it into a PublishOutcome: 'killed' is a close of
+ * its channel by the broker with a 406 while it was in flight, perhaps for this very message.
+ */
+type Answer = PublishOutcome | 'killed';
+
+/** Remembered IDs that were in flight at such a close (see suspects). */
+const MAX_SUSPECT_MEMORY = 10_000;
 
 /** How a channel ended: whether it closed, and whether the broker closed it with an error. */
 interface ChannelEnd {
@@ -64,7 +49,7 @@ interface Pending {
  * tried alone on a trial channel of its own, one at a time, so that a close there can only be that
  * message's doing, and the ordinary publishes go on meanwhile.
  */
-export class TargetPublisher {
+export class TargetPublisher implements Target {
   private channel: ConfirmChannel | undefined;
   private connection: ChannelModel | undefined;
   private trial: Promise<ConfirmChannel> | undefined;
@@ -80,6 +65,13 @@ export class TargetPublisher {
   private provenSize = 0;
   /** Publishes waiting, in order, for a message of an untried size to be answered (see tryAlone). */
   private behindTrial: (() => void)[] | undefined;
+  /**
+   * IDs in flight when the broker closed a channel over a message, or refused for their size:
+   * each goes alone on the trial channel, one at a time, so that a close there is that message's
+   * doing and a poison message closes the ordinary channel once, not at each retry.
+   */
+  private readonly suspects = new BoundedMap<string, true>(MAX_SUSPECT_MEMORY);
+  private suspectTurn: Promise<void> = Promise.resolve();
   /** Publishes waiting in ready(), not yet in `pending`. */
   private waitingReady = 0;
   private quietWaiters: (() => void)[] = [];
@@ -91,7 +83,10 @@ export class TargetPublisher {
   onFatal: (error: BridgeError) => void = () => {};
 
   constructor(
+    /** '' is the default exchange (then the routing key names the target queue). */
     private readonly exchange: string,
+    /** The routing key of every publish (the target queue's name); undefined: each message's own. */
+    private readonly routingKey: string | undefined,
     private readonly queue: string | undefined,
     private readonly where: string,
     private readonly log: Logger,
@@ -229,49 +224,83 @@ export class TargetPublisher {
   }
 
   /**
-   * Publishes a message with `mandatory` and tells `answered` what the target said (a callback,
-   * not a promise: the hot path holds one promise per batch, not one per message). `header` is the
-   * raw content header (property flags and list) to send; `matchKey` is the wire value of its
-   * `_HQ_DUPL_ID` field (see matchKeyOf), by which a returned message is matched to its publish.
+   * Publishes a message with `mandatory` and tells `answered` what became of it (a callback, not
+   * a promise: the hot path holds one promise per batch, not one per message). A message that was
+   * in flight when the broker closed the channel over a message, or that was refused for its size,
+   * goes alone on the trial channel from then on (see suspects).
    */
-  send(
-    exchange: string,
-    routingKey: string | Buffer,
-    header: Buffer,
-    content: Buffer,
-    matchKey: string,
-    note: Refusal,
-    answered: (outcome: PublishOutcome) => void,
-  ): void {
-    if (this.behindTrial) {
-      // In order behind a message being tried alone (see untried).
-      this.behindTrial.push(() => this.send(exchange, routingKey, header, content, matchKey, note, answered));
+  send(publish: Publish, answered: (outcome: PublishOutcome) => void): void {
+    if (this.suspects.has(publish.id)) {
+      this.alone(() => this.publishAlone(publish)).then(answered);
       return;
     }
+    this.sendOrdinary(publish, answered);
+  }
+
+  private sendOrdinary(publish: Publish, answered: (outcome: PublishOutcome) => void): void {
+    if (this.behindTrial) {
+      // In order behind a message being tried alone (see untried).
+      this.behindTrial.push(() => this.sendOrdinary(publish, answered));
+      return;
+    }
+    const size = publish.content.length;
     // Known to be refused: sent here, it would close the ordinary channel and put every publish in
-    // flight on it in doubt. (Alone on the trial channel it may still go: see publishAlone.)
-    if (this.sizeLimit !== undefined && content.length > this.sizeLimit) {
-      note.refusal = tooLargeDetail(content.length, this.sizeLimit);
+    // flight on it in doubt. (Retried, it goes alone on the trial channel, and may go through.)
+    if (this.sizeLimit !== undefined && size > this.sizeLimit) {
+      publish.refusal = tooLargeDetail(size, this.sizeLimit);
+      this.suspects.set(publish.id, true);
       answered('too-large');
       return;
     }
-    if (this.untried(content.length)) {
-      this.tryAlone(exchange, routingKey, header, content, matchKey, note, answered);
+    if (this.untried(size)) {
+      this.tryAlone(publish, answered);
       return;
     }
+    const onAnswer = (answer: Answer) => answered(this.sorted(publish, answer, false));
     // The usual case, connected and not held back, without waiting a turn for ready().
     const channel = this.channel;
     if (channel && !this.blocked && !this.drained && !this.closed) {
-      this.publishOn(channel, exchange, routingKey, header, content, matchKey, note, answered);
+      this.publishOn(channel, publish, onAnswer);
       return;
     }
     this.waitingReady++;
     void this.ready().then((ready) => {
       this.waitingReady--;
-      if (ready) this.publishOn(ready, exchange, routingKey, header, content, matchKey, note, answered);
-      else answered('lost');
+      if (ready) this.publishOn(ready, publish, onAnswer);
+      else answered('unknown');
       this.wakeIfQuiet();
     });
+  }
+
+  /**
+   * The outcome of one write. A close by the broker (406) while it was in flight: on the trial
+   * channel, alone, it was this message's doing, and its words say why; on the ordinary channel
+   * it may have been any message's, so this one is in doubt and goes alone when it comes back.
+   */
+  private sorted(publish: Publish, answer: Answer, alone: boolean): PublishOutcome {
+    if (answer === 'stored') {
+      if (this.suspects.has(publish.id)) this.suspects.delete(publish.id);
+      return answer;
+    }
+    if (answer === 'too-large') this.suspects.set(publish.id, true);
+    if (answer !== 'killed') return answer;
+    if (!alone) {
+      this.suspects.set(publish.id, true);
+      return 'unknown';
+    }
+    const refusal = refusalOfClose(publish.refusal);
+    publish.refusal = refusal.detail;
+    return refusal.sizeLimit === undefined ? 'rejected' : 'too-large';
+  }
+
+  /** Runs publishes of suspect messages one at a time, each alone on the trial channel. */
+  private alone<T>(work: () => Promise<T>): Promise<T> {
+    const turn = this.suspectTurn.then(work, work);
+    this.suspectTurn = turn.then(
+      () => undefined,
+      () => undefined,
+    );
+    return turn;
   }
 
   /**
@@ -281,20 +310,12 @@ export class TargetPublisher {
    * ones would all be in doubt), and its answer tells the size limit. Sizes grow in few records
    * (see untried), so this costs a round trip now and then, and the order stays the source's.
    */
-  private tryAlone(
-    exchange: string,
-    routingKey: string | Buffer,
-    header: Buffer,
-    content: Buffer,
-    matchKey: string,
-    note: Refusal,
-    answered: (outcome: PublishOutcome) => void,
-  ): void {
+  private tryAlone(publish: Publish, answered: (outcome: PublishOutcome) => void): void {
     this.behindTrial = [];
     // After every publish before it was answered: the broker runs each channel on its own, so a
     // message on the trial channel could otherwise be stored ahead of earlier ones.
     void this.quiet()
-      .then(() => this.publishAlone(exchange, routingKey, header, content, matchKey, note))
+      .then(() => this.publishAlone(publish))
       .then((outcome) => {
         const waiting = this.behindTrial ?? [];
         this.behindTrial = undefined;
@@ -316,88 +337,83 @@ export class TargetPublisher {
   }
 
   /**
-   * Publishes one suspect message alone on the trial channel (the caller sends one at a time):
-   * 'killed' then means the broker closed the channel for this very message.
+   * Publishes one message alone on the trial channel (the callers send one at a time): a close
+   * then is this very message's doing.
    */
-  async publishAlone(
-    exchange: string,
-    routingKey: string | Buffer,
-    header: Buffer,
-    content: Buffer,
-    matchKey: string,
-    note: Refusal = {},
-  ): Promise<PublishOutcome> {
-    if (!(await this.ready())) return 'lost';
+  private async publishAlone(publish: Publish): Promise<PublishOutcome> {
+    if (!(await this.ready())) return 'unknown';
     let channel: ConfirmChannel | undefined;
     try {
       channel = await this.trialChannel();
     } catch {
       channel = undefined;
     }
-    if (!channel) return 'lost';
+    if (!channel) return 'unknown';
     const trial = channel;
     return new Promise((resolve) =>
-      this.publishOn(trial, exchange, routingKey, header, content, matchKey, note, resolve, false),
+      this.publishOn(trial, publish, (answer) => resolve(this.sorted(publish, answer, true)), false),
     );
   }
 
   private publishOn(
     channel: ConfirmChannel,
-    exchange: string,
-    routingKey: string | Buffer,
-    header: Buffer,
-    content: Buffer,
-    matchKey: string,
-    note: Refusal,
-    answered: (outcome: PublishOutcome) => void,
+    publish: Publish,
+    answered: (answer: Answer) => void,
     watchDrain = true,
   ): void {
-    if (note.writeBy !== undefined && performance.now() > note.writeBy) {
+    if (performance.now() > publish.writeBy) {
       answered('fenced');
       return;
     }
     const closed = this.closedFlags.get(channel) as ChannelEnd;
-    note.written = true;
+    const { id, content } = publish;
+    publish.written = true;
     const pending: Pending = { returned: false };
-    this.pending.set(matchKey, pending);
-    const settle = (outcome: PublishOutcome) => {
-      if (this.pending.get(matchKey) === pending) this.pending.delete(matchKey);
+    this.pending.set(id, pending);
+    const settle = (answer: Answer) => {
+      if (this.pending.get(id) === pending) this.pending.delete(id);
       // Answered: nothing of it is on its way any more.
-      note.written = false;
-      answered(outcome);
+      publish.written = false;
+      answered(answer);
       if (this.quietWaiters.length > 0) this.wakeIfQuiet();
     };
+    const routingKey = this.routingKey ?? publish.routingKey;
     try {
-      const ok = publishRaw(channel, exchange, routingKey, header, content, (error) => {
+      const ok = publishRaw(channel, this.exchange, routingKey, publish.properties, content, (error) => {
         if (!error) {
           if (content.length > this.provenSize) this.provenSize = content.length;
           // Taken above the limit it told: the operator raised it. Unknown again until it refuses.
           if (this.sizeLimit !== undefined && content.length > this.sizeLimit) this.sizeLimit = undefined;
-          settle(pending.returned ? 'returned' : 'confirmed');
+          settle(pending.returned ? 'unroutable' : 'stored');
           return;
         }
         // amqplib calls back with an error both for a nack and for a closed channel; the close
         // listeners run synchronously, so by the next microtask we know which one it was.
         queueMicrotask(() => {
-          if (closed.closed && closed.byServer) note.closedBy = closed.reason;
           if (closed.closed && closed.overSize) {
             // amqplib fails the unconfirmed publishes in the order they were sent.
             const side = closed.overSize.next(content.length);
-            if (side === 'refused') note.refusal = tooLargeDetail(content.length, closed.overSize.limit);
-            settle(side === 'refused' ? 'too-large' : side === 'not-stored' ? 'discarded' : 'lost');
+            if (side === 'refused') publish.refusal = tooLargeDetail(content.length, closed.overSize.limit);
+            settle(side === 'refused' ? 'too-large' : side === 'not-stored' ? 'unsent' : 'unknown');
             return;
           }
-          settle(closed.closed ? (closed.byServer ? 'killed' : 'lost') : 'nacked');
+          if (closed.closed && closed.byServer) {
+            // The broker's words, for sorted() to read.
+            publish.refusal = closed.reason;
+            settle('killed');
+            return;
+          }
+          settle(closed.closed ? 'unknown' : 'rejected');
         });
       });
       if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
     } catch (error) {
       if (error instanceof ChannelGoneError) {
-        settle('discarded');
+        settle('unsent');
         return;
       }
       // Nothing was sent: this message cannot go as it is (a header over frame_max, say).
-      note.refusal = error instanceof Error ? error.message : String(error);
+      publish.refusal = error instanceof Error ? error.message : String(error);
       settle('unpublishable');
     }
   }

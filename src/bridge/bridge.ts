@@ -122,7 +122,13 @@ export async function startBridge(
     new InFlightBytes(settings.maxInFlightBytes),
   );
   source.deliveryLimit = settings.sourceDeliveryLimit;
-  const target = new TargetPublisher(settings.targetExchange, settings.targetQueue, targetWhere, routeLog);
+  const target = new TargetPublisher(
+    settings.targetExchange,
+    settings.targetRoutingKey,
+    settings.targetQueue,
+    targetWhere,
+    routeLog,
+  );
   const sourceLink = new AmqpLink(
     settings.sourceUrls,
     {
@@ -245,8 +251,6 @@ export async function startBridge(
     {
       name: settings.route,
       sourceQueue: settings.sourceQueue,
-      targetExchange: settings.targetExchange,
-      targetRoutingKey: settings.targetRoutingKey,
       targetUser: settings.targetUser,
       scope: settings.scope,
       redisPrefix: settings.redisPrefix,

@@ -1,11 +1,5 @@
-import type { ConsumeMessage } from 'amqplib';
-import { encodeValue, rawField } from '../amqp/fields.js';
-import { routingBytesOf } from '../amqp/internals.js';
-import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
-import { refusalOfClose } from '../amqp/refusal.js';
-import type { SourceQueue } from '../amqp/source.js';
-import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import { backoffDelay, sleep } from '../backoff.js';
+import { BoundedMap } from '../bounded-map.js';
 import type { IdStrategy } from '../config/id-from.js';
 import type { UnroutablePolicy } from '../config/settings.js';
 import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
@@ -13,6 +7,9 @@ import { deriveId } from '../dedup/id.js';
 import { ConfigError, describe, FatalConnectError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
+import type { Delivery, Publish, PublishOutcome, Source, Target } from '../ports.js';
+import { encodeValue, rawField } from '../wire/fields.js';
+import { type ContentHeader, ContentHeaderError } from '../wire/properties.js';
 import { newCounters, type RouteCounters } from './counters.js';
 import type { MessageBudget } from './limits.js';
 import { clip, PerMessageLog } from './per-message.js';
@@ -34,10 +31,6 @@ export type LatencyStage = 'claim' | 'commit' | 'confirm';
 interface RouteSettings {
   name: string;
   sourceQueue: string;
-  /** '' is the default exchange (then the routing key is the target queue). */
-  targetExchange: string;
-  /** undefined: use each message's own routing key. */
-  targetRoutingKey: string | undefined;
   /** The user the target connection logs in as: a `user_id` property naming another is moved to a header. */
   targetUser: string | undefined;
   scope: string;
@@ -61,37 +54,31 @@ interface RouteSettings {
   afterConfirm: (() => void) | undefined;
 }
 
-/** One source message on its way through claim → publish → commit → ack. */
-interface Entry {
-  message: ConsumeMessage;
+/**
+ * One source message on its way through claim → publish → commit → ack; also its publish to the
+ * target (one object per message on the forwarding path).
+ */
+interface Entry extends Publish {
+  message: Delivery;
   /** The content header as the source delivered it (undefined when it cannot be read). */
   header: ContentHeader | undefined;
   /** Full Redis key; undefined when the message has no ID. */
   key: string | undefined;
   /** The `_HQ_DUPL_ID` field for the target (its name and value bytes), unless the message's own. */
   idField: Buffer | undefined;
-  /** The wire value of `_HQ_DUPL_ID` on the target, by which a return is matched to its publish. */
-  matchKey: string;
   /** The ID as the cache keys it (for log lines), when it has one. */
   idText?: string;
   state: ClaimState | undefined;
   /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
   leading: boolean;
-  /** Times the broker closed the target channel while this was in flight. */
-  suspect: number;
   /** Why the bridge refuses it, when it does (said in the log and the park reason). */
   refusal?: string;
-  /** The broker's words when it last closed the target channel while this was in flight. */
-  closedBy?: string;
   /** performance.now() when the claim now held was asked for (0: no claim). */
   claimedAt: number;
   /** Until when our lease surely holds: asked for at claimedAt or a renewal, plus the lease. */
   leaseUntil: number;
-  /** Past this the message is not written to the target (see LEASE_WRITE_SHARE). */
-  writeBy: number;
   /** A publish of it was sent and is unanswered (see fenceWrites; `written` once it is on its way). */
   outstanding: boolean;
-  written?: boolean;
   /** A copy of ours may be on the target: every later copy goes flagged, whatever the claim says. */
   doubt: boolean;
   /** Confirmed, its commit sent: a renewal that finds no claim may have run after the commit. */
@@ -124,11 +111,10 @@ const LEASE_WRITE_SHARE = 1 / 3;
 // nothing meanwhile) makes the bridge reset the target connection: what has not left this host is
 // then never sent, so it cannot land after another owner's copy as an unflagged second copy.
 const LEASE_RESET_SHARE = 1 / 5;
+// An Entry's properties before its first publish.
+const EMPTY = Buffer.alloc(0);
 // Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
 const MAX_RETRY_MEMORY = 10_000;
-// Remembered IDs that were in flight when the target closed its channel: when one comes back it
-// goes alone at once, so that a poison message kills the ordinary channel once, not each retry.
-const MAX_SUSPECT_MEMORY = 10_000;
 
 function secondsSince(started: number): number {
   return (performance.now() - started) / 1000;
@@ -169,8 +155,7 @@ export class Pipeline {
   private readonly claimed = new Set<Entry>();
   private readonly timers = new Map<NodeJS.Timeout, () => void>();
   private readonly active = new Set<Promise<void>>();
-  private readonly retryCounts = new Map<string, number>();
-  private readonly suspectIds = new Set<string>();
+  private readonly retryCounts = new BoundedMap<string, number>(MAX_RETRY_MEMORY);
   private ownRouteField: Buffer | undefined;
   /** The header fields a forwarded copy drops or gets anew, with the message's own ID or with ours. */
   private readonly replaced: { own: readonly string[]; withId: readonly string[] };
@@ -185,7 +170,6 @@ export class Pipeline {
   private failingSince: number | undefined;
   /** The first line of the streak's last error (an error reply such as OOM). */
   private lastRedisError: string | undefined;
-  private suspects: Promise<void> = Promise.resolve();
   private stopping = false;
   /** Set when a stop ran out of time: publishes still waiting for the target give up. */
   private abandoned = false;
@@ -194,8 +178,8 @@ export class Pipeline {
 
   constructor(
     private readonly settings: RouteSettings,
-    private readonly source: SourceQueue,
-    private readonly target: TargetPublisher,
+    private readonly source: Source,
+    private readonly target: Target,
     private readonly cache: DedupCache,
     private readonly log: Logger,
   ) {
@@ -302,10 +286,10 @@ export class Pipeline {
     return this.held;
   }
 
-  private receive(message: ConsumeMessage): void {
+  private receive(message: Delivery): void {
     if (this.stopping || !this.settings.budget.tryTake()) {
       // Delivered after we stopped or hit the limit: not ours to handle.
-      this.source.nack(message, true);
+      this.source.requeue(message);
       if (this.limitReached) void this.source.stopConsuming();
       return;
     }
@@ -319,10 +303,12 @@ export class Pipeline {
       header: undefined,
       key: undefined,
       idField: undefined,
-      matchKey: '',
+      properties: EMPTY,
+      content: message.content,
+      routingKey: '',
+      id: '',
       state: undefined,
       leading: false,
-      suspect: 0,
       claimedAt: 0,
       leaseUntil: 0,
       writeBy: 0,
@@ -332,7 +318,7 @@ export class Pipeline {
     };
     let header: ContentHeader;
     try {
-      header = contentHeaderOf(message.properties);
+      header = this.source.headerOf(message);
     } catch (error) {
       if (!(error instanceof ContentHeaderError)) throw error;
       this.track(this.handleFailure(blank, 'unreadable', error.message));
@@ -362,14 +348,10 @@ export class Pipeline {
       );
       return;
     }
-    const routing = routingBytesOf(message.fields);
+    const routing = this.source.routingOf(message);
+    blank.routingKey = routing.routingKey;
     const { id, rejected } = deriveId(
-      {
-        content: message.content,
-        exchange: routing?.exchange ?? message.fields.exchange,
-        routingKey: routing?.routingKey ?? message.fields.routingKey,
-        header,
-      },
+      { content: message.content, exchange: routing.exchange, routingKey: routing.routingKey, header },
       this.settings.idFrom,
     );
     if (rejected.length > 0) {
@@ -391,11 +373,10 @@ export class Pipeline {
     const key = this.cache.keyOf(id.key);
     // The same entry, now with its ID (one object per message on the forwarding path).
     const entry = blank;
-    entry.suspect = this.suspectIds.has(key) ? 1 : 0;
     entry.key = key;
     entry.idField = id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value);
     entry.idText = id.key;
-    entry.matchKey = id.value.toString('latin1');
+    entry.id = id.value.toString('latin1');
     const waiting = this.inFlight.get(key);
     if (waiting) {
       // A copy of this ID is already on its way: wait for its outcome, then claim.
@@ -498,21 +479,18 @@ export class Pipeline {
     const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
     const fenced: Entry[] = [];
-    // Refused for their size: the broker checks it before routing, so no queue stored them.
-    const tooLarge = new Set<Entry>();
+    // Refused by a target that may have stored a copy all the same (see Refusal): left in doubt.
+    const maybeStored = new Set<Entry>();
     toPublish.forEach((entry, index) => {
       const outcome = outcomes[index] as PublishOutcome;
-      if (outcome === 'confirmed') confirmed.push(entry);
+      if (outcome === 'stored') confirmed.push(entry);
       else if (outcome === 'fenced') fenced.push(entry);
-      else if (outcome === 'returned') refused.push([entry, 'unroutable']);
-      else if (outcome === 'nacked') refused.push([entry, 'nacked', entry.refusal]);
-      else if (outcome === 'too-large') {
-        tooLarge.add(entry);
-        // Retried (if it is) alone on the trial channel: the limit may have been raised meanwhile.
-        entry.suspect = Math.max(entry.suspect, 1);
-        this.rememberSuspect(entry.key as string);
+      else if (outcome === 'unroutable') refused.push([entry, 'unroutable']);
+      else if (outcome === 'rejected') {
+        maybeStored.add(entry);
         refused.push([entry, 'nacked', entry.refusal]);
-      } else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
+      } else if (outcome === 'too-large') refused.push([entry, 'nacked', entry.refusal]);
+      else if (outcome === 'unpublishable') refused.push([entry, 'unpublishable', entry.refusal]);
       else lost.push(entry);
     });
 
@@ -542,7 +520,6 @@ export class Pipeline {
         this.counters.forwarded++;
         if (entry.state === 'in-doubt') this.counters.inDoubt++;
         this.retryCounts.delete(entry.key as string);
-        this.suspectIds.delete(entry.key as string);
         this.settle(entry, () => this.source.ack(entry.message));
       });
       this.progress();
@@ -551,14 +528,10 @@ export class Pipeline {
     if (refused.length > 0) {
       const refusedEntries = refused.map(([entry]) => entry);
       // A claim that is in doubt stays so: an earlier copy may be on the target, and the next
-      // attempt, by anyone, must flag its copy. A nack too leaves its ID in doubt: published to an
-      // exchange bound to several queues, one queue may refuse it while another stored it.
-      const nacked = new Set(
-        refused.filter(([entry, why]) => why === 'nacked' && !tooLarge.has(entry)).map(([entry]) => entry),
-      );
+      // attempt, by anyone, must flag its copy. So does one the target may have stored anyway.
       const keysOf = (inDoubt: boolean) =>
         refusedEntries
-          .filter((entry) => (entry.state === 'in-doubt' || nacked.has(entry)) === inDoubt)
+          .filter((entry) => (entry.state === 'in-doubt' || maybeStored.has(entry)) === inDoubt)
           .map((entry) => entry.key as string);
       await this.redis('release', () => this.cache.release(keysOf(false)));
       await this.redis('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
@@ -580,8 +553,8 @@ export class Pipeline {
 
   /**
    * Publishes a batch until the target answers each message, with one promise for the batch. A
-   * publish lost with its connection may or may not be on the target: it is sent again, flagged
-   * in-doubt, once the target is back.
+   * publish whose outcome is unknown (lost with its connection) may or may not be on the target:
+   * it is sent again, flagged in-doubt, once the target is back.
    */
   private publishBatch(entries: Entry[]): Promise<PublishOutcome[]> {
     const started = performance.now();
@@ -591,25 +564,23 @@ export class Pipeline {
       const answered = (index: number, outcome: PublishOutcome) => {
         outcomes[index] = outcome;
         (entries[index] as Entry).outstanding = false;
-        // Per confirmed message, at its own confirm: the metric is per forwarded message, and a
+        // Per stored message, at its own answer: the metric is per forwarded message, and a
         // batch's slowest answer (or a returned message) is not every message's confirm.
-        if (outcome === 'confirmed') this.onLatency('confirm', secondsSince(started), 1);
+        if (outcome === 'stored') this.onLatency('confirm', secondsSince(started), 1);
         if (--left > 0) return;
         resolve(outcomes);
       };
       entries.forEach((entry, index) => {
         entry.outstanding = true;
-        entry.written = false;
         const first = (outcome: PublishOutcome) => {
-          if (outcome === 'lost' || outcome === 'killed' || outcome === 'discarded') {
+          if (outcome === 'unknown' || outcome === 'unsent') {
             this.publishAgain(entry, outcome).then((again) => answered(index, again), reject);
           } else {
             answered(index, outcome);
           }
         };
         try {
-          if (entry.suspect > 0) this.alone(() => this.publish(entry, true)).then(first, reject);
-          else this.send(entry, first);
+          this.send(entry, first);
         } catch (error) {
           reject(error);
         }
@@ -618,27 +589,17 @@ export class Pipeline {
   }
 
   /**
-   * The rest of a publish after a first attempt was lost, its channel killed, or dropped unread by
-   * the broker after it closed the channel over an earlier message (discarded: never stored, so it
-   * goes again as it was, unflagged).
+   * The rest of a publish after an attempt whose outcome is unknown, or that surely was not stored
+   * (unsent: it goes again as it was, unflagged). Ends 'unknown' only when a stop gave up waiting.
    */
   private async publishAgain(entry: Entry, firstOutcome: PublishOutcome): Promise<PublishOutcome> {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
-      if (outcome !== 'lost' && outcome !== 'killed' && outcome !== 'discarded') return outcome;
-      if (this.abandoned) return 'lost';
-      if (outcome !== 'discarded') {
+      if (outcome !== 'unknown' && outcome !== 'unsent') return outcome;
+      if (this.abandoned) return 'unknown';
+      if (outcome === 'unknown') {
         // Written and not answered: from here on a copy of ours may be on the target.
         entry.doubt = true;
-        if (outcome === 'killed') {
-          entry.suspect++;
-          this.rememberSuspect(entry.key as string);
-          if (entry.suspect >= 2) {
-            // Alone on its own channel: the close was this message's doing, and its words say why.
-            entry.refusal = refusalOfClose(entry.closedBy).detail;
-            return 'nacked';
-          }
-        }
         if (entry.state !== 'in-doubt') {
           entry.state = 'in-doubt';
           this.counters.resentInDoubt++;
@@ -647,17 +608,8 @@ export class Pipeline {
       // A publish lost at once again (a channel that is gone but not yet replaced) must not spin:
       // back off, which also lets the event loop run the reconnect, signals and health checks.
       await sleep(backoffDelay(attempt, 10, 1000));
-      outcome = await this.publishOnce(entry);
+      outcome = await new Promise<PublishOutcome>((resolve) => this.send(entry, resolve));
     }
-  }
-
-  /**
-   * One publish. A message that was in flight when the broker closed the channel goes alone, so
-   * that a message the broker refuses that way (over its max_message_size, say) shows itself.
-   */
-  private publishOnce(entry: Entry): Promise<PublishOutcome> {
-    entry.written = false;
-    return entry.suspect > 0 ? this.alone(() => this.publish(entry, true)) : this.publish(entry, false);
   }
 
   /** The `x-dedup-route` field for a forwarded copy: the marks it came with, and this route's. */
@@ -672,30 +624,11 @@ export class Pipeline {
   }
 
   /** What names a message in a log line: its ID (or message_id) and routing key, clipped. */
-  private named(message: ConsumeMessage, id?: string): Record<string, string> {
+  private named(message: Delivery, id?: string): Record<string, string> {
     const named: Record<string, string> = { routingKey: clip(message.fields.routingKey) };
     const shown = id ?? message.properties.messageId;
     if (shown !== undefined) named.id = clip(String(shown));
     return named;
-  }
-
-  private rememberSuspect(key: string): void {
-    this.suspectIds.delete(key);
-    this.suspectIds.add(key);
-    if (this.suspectIds.size > MAX_SUSPECT_MEMORY) {
-      const oldest = this.suspectIds.values().next().value;
-      if (oldest !== undefined) this.suspectIds.delete(oldest);
-    }
-  }
-
-  /** Runs publishes of suspect messages one at a time. */
-  private alone<T>(work: () => Promise<T>): Promise<T> {
-    const turn = this.suspects.then(work, work);
-    this.suspects = turn.then(
-      () => undefined,
-      () => undefined,
-    );
-    return turn;
   }
 
   /**
@@ -703,36 +636,13 @@ export class Pipeline {
    * documented: `_HQ_DUPL_ID` set when the ID came from elsewhere, `x-dedup-in-doubt` removed or
    * added, and a `user_id` the target would refuse moved to a header.
    */
-  private publish(entry: Entry, alone: boolean): Promise<PublishOutcome> {
-    if (!alone) return new Promise((resolve) => this.send(entry, resolve));
-    const { bytes, routingKey } = this.outgoing(entry);
-    return this.target.publishAlone(
-      this.settings.targetExchange,
-      routingKey,
-      bytes,
-      entry.message.content,
-      entry.matchKey,
-      entry,
-    );
-  }
-
-  /** Publishes on the ordinary channel and tells `answered` what the target said. */
   private send(entry: Entry, answered: (outcome: PublishOutcome) => void): void {
-    const { bytes, routingKey } = this.outgoing(entry);
-    this.target.send(
-      this.settings.targetExchange,
-      routingKey,
-      bytes,
-      entry.message.content,
-      entry.matchKey,
-      entry,
-      answered,
-    );
+    entry.properties = this.outgoing(entry);
+    this.target.send(entry, answered);
   }
 
-  /** The content header and routing key a message is forwarded with. */
-  private outgoing(entry: Entry): { bytes: Buffer; routingKey: string | Buffer } {
-    const message = entry.message;
+  /** The content header a message is forwarded with. */
+  private outgoing(entry: Entry): Buffer {
     const header = entry.header as ContentHeader;
     // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
     // with the message is dropped, and set only from a user_id the source broker vouched for.
@@ -748,13 +658,7 @@ export class Pipeline {
     if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
     // The routes it went through, this one last, so that a loop back here is seen.
     append.push(this.routeField(header));
-    const bytes = header.splice({ remove, append, dropUserId: foreignUser });
-    // The message's own routing key as the broker sent it (amqplib's text form may have lost bytes).
-    const routingKey =
-      this.settings.targetRoutingKey ??
-      routingBytesOf(message.fields)?.routingKey ??
-      message.fields.routingKey;
-    return { bytes, routingKey };
+    return header.splice({ remove, append, dropUserId: foreignUser });
   }
 
   /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
@@ -785,12 +689,12 @@ export class Pipeline {
         { ...named, reason: why },
         "message rejected to the source queue's dead-letter exchange (RabbitMQ drops it if the queue has none)",
       );
-      this.settle(entry, () => this.source.nack(entry.message, false));
+      this.settle(entry, () => this.source.deadLetter(entry.message));
       return;
     }
     const retryKey = entry.key ?? '';
     const attempt = (this.retryCounts.get(retryKey) ?? 0) + 1;
-    this.rememberRetry(retryKey, attempt);
+    this.retryCounts.set(retryKey, attempt);
     const delay = backoffDelay(
       attempt,
       this.settings.requeueDelay.initialMs,
@@ -824,15 +728,6 @@ export class Pipeline {
     this.later(delay, [entry], retry, (held) => this.giveBack(held));
   }
 
-  private rememberRetry(key: string, attempt: number): void {
-    this.retryCounts.delete(key);
-    this.retryCounts.set(key, attempt);
-    if (this.retryCounts.size > MAX_RETRY_MEMORY) {
-      const oldest = this.retryCounts.keys().next().value;
-      if (oldest !== undefined) this.retryCounts.delete(oldest);
-    }
-  }
-
   /** Runs `then` for each entry after `ms`, or `onStop` at once when the pipeline stops. */
   private later(
     ms: number,
@@ -856,7 +751,7 @@ export class Pipeline {
   /** Returns a message we have not claimed to the source (used when stopping). */
   private giveBack(entry: Entry): void {
     this.counters.returned++;
-    this.settle(entry, () => this.source.nack(entry.message, true));
+    this.settle(entry, () => this.source.requeue(entry.message));
   }
 
   /** Ends our hold on a message: ack/nack it, then let a waiting copy of its ID go on. */

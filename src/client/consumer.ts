@@ -1,7 +1,6 @@
 import type { Channel, ConsumeMessage } from 'amqplib';
 import type { ChainableCommander, Cluster, Redis } from 'ioredis';
 import { installLosslessReaderFor } from '../amqp/internals.js';
-import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import { backoffDelay } from '../backoff.js';
 import { REDIS_PREFIX_PATTERN, SCOPE_PATTERN } from '../config/settings.js';
 import { type ClaimState, DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
@@ -9,6 +8,7 @@ import { keyOfField } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
 import { ConfigError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER } from '../headers.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../wire/properties.js';
 
 export interface HandlerContext {
   /** The message's ID, as the cache keys it (the same bytes give the same ID, string or Buffer). */

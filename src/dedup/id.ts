@@ -1,10 +1,10 @@
 import { isUtf8 } from 'node:buffer';
 import { createHash } from 'node:crypto';
 import { v5 as uuidv5 } from 'uuid';
-import { encodeValue, type FieldValue } from '../amqp/fields.js';
-import type { ContentHeader } from '../amqp/properties.js';
 import type { IdStrategy } from '../config/id-from.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
+import { encodeValue, type FieldValue } from '../wire/fields.js';
+import type { ContentHeader } from '../wire/properties.js';
 
 /** IDs longer than this many bytes are keyed by their SHA-256, so keys stay small. */
 export const MAX_ID_BYTES = 200;

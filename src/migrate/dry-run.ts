@@ -1,7 +1,6 @@
 import type { ConsumeMessage } from 'amqplib';
 import { connectAmqp } from '../amqp/connect.js';
 import { routingBytesOf } from '../amqp/internals.js';
-import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../amqp/properties.js';
 import { checkQueueExists } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { redactUrl } from '../config/redact.js';
@@ -10,6 +9,7 @@ import { DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
 import type { Logger } from '../log.js';
+import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../wire/properties.js';
 import { buildQueueReport, type QueueReport } from './report.js';
 
 /**

@@ -2,9 +2,9 @@ import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
-import { ContentHeader, contentHeaderOf } from '../../src/amqp/properties.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { createLogger } from '../../src/observe/log.js';
+import { ContentHeader, contentHeaderOf } from '../../src/wire/properties.js';
 import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,

@@ -1,8 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
-import { ContentHeader, contentHeaderOf } from '../../src/amqp/properties.js';
 import { createLogger } from '../../src/observe/log.js';
+import { ContentHeader, contentHeaderOf } from '../../src/wire/properties.js';
 import {
   countDelivery,
   declareQueue,

@@ -2,10 +2,10 @@ import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
-import { contentHeaderOf } from '../../src/amqp/properties.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { withDedupId } from '../../src/client/producer.js';
 import { createLogger } from '../../src/observe/log.js';
+import { contentHeaderOf } from '../../src/wire/properties.js';
 import {
   countDelivery,
   declareQueue,

@@ -98,7 +98,7 @@ describe('source acks', () => {
     const { source, connection, sent, byBody, depth } = acks;
     try {
       await ackBehindFirst(acks);
-      source.nack(byBody('m1'), true);
+      source.requeue(byBody('m1'));
       await turn();
       expect(sent).toEqual([[3, true]]);
       // m1 is back in the queue (once our consumer, to which the broker may give it again, is gone).

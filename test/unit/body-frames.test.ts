@@ -1,7 +1,7 @@
 import type { ChannelModel } from 'amqplib';
 import { describe, expect, it } from 'vitest';
 import { installLosslessReader, routingBytesOf } from '../../src/amqp/internals.js';
-import { contentHeaderOf } from '../../src/amqp/properties.js';
+import { contentHeaderOf } from '../../src/wire/properties.js';
 import { basicProperties, contentHeaderFrame, field, frame, longString, shortstr, table } from '../wire.js';
 
 // The bridge's own connections read frames through src/amqp/internals.ts: a small body is copied

@@ -18,7 +18,7 @@ import {
   skipValue,
   toAmqplibTable,
   toAmqplibValue,
-} from '../../src/amqp/fields.js';
+} from '../../src/wire/fields.js';
 import {
   BASIC_PROPERTIES,
   ContentHeader,
@@ -27,7 +27,7 @@ import {
   type PropertyName,
   propertiesFor,
   RAW_HEADER,
-} from '../../src/amqp/properties.js';
+} from '../../src/wire/properties.js';
 import {
   array,
   type BasicProperties,

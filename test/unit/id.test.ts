@@ -3,7 +3,6 @@ import { createRequire } from 'node:module';
 import { dirname, join } from 'node:path';
 import { v5 as uuidv5 } from 'uuid';
 import { describe, expect, it } from 'vitest';
-import { ContentHeader } from '../../src/amqp/properties.js';
 import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from '../../src/config/id-from.js';
 import {
   contentId,
@@ -16,6 +15,7 @@ import {
   MAX_ID_BYTES,
 } from '../../src/dedup/id.js';
 import { ConfigError } from '../../src/errors.js';
+import { ContentHeader } from '../../src/wire/properties.js';
 import {
   array,
   type BasicProperties,

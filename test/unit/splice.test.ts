@@ -5,7 +5,7 @@ import {
   ContentHeader,
   contentHeaderOf,
   propertiesFor,
-} from '../../src/amqp/properties.js';
+} from '../../src/wire/properties.js';
 import {
   array,
   type BasicProperties,

@@ -1,0 +1,97 @@
+/**
+ * The two sides the pipeline forwards between, as it sees them. A source or target type (a queue
+ * over AMQP 0-9-1, a RabbitMQ stream over the stream protocol) is one adapter of these; the
+ * pipeline knows nothing of channels, confirms or offsets.
+ *
+ * The message in between is an AMQP 0-9-1 message as the source sent it: its raw content header
+ * (read losslessly by src/wire) and its body. An adapter of another protocol maps to and from that
+ * form, as RabbitMQ itself does between its protocols.
+ */
+import type { ContentHeader } from './wire/properties.js';
+
+/** One message as the source delivered it, until the pipeline settles it. */
+export interface Delivery {
+  readonly content: Buffer;
+  readonly fields: {
+    /** As text, for log lines (the bytes the source sent are routingOf's). */
+    readonly routingKey: string;
+    readonly exchange: string;
+    /** Delivered before (and not settled then). */
+    readonly redelivered: boolean;
+  };
+  readonly properties: { readonly messageId?: unknown };
+}
+
+export interface Source {
+  /** Starts delivering; each delivery is settled once with ack, requeue, deadLetter or park. */
+  consume(onDelivery: (delivery: Delivery) => void): Promise<void>;
+  /** Stops delivering (what is held stays held until settled). */
+  stopConsuming(): Promise<void>;
+  /** Its content header as the source sent it; throws ContentHeaderError when it cannot be read. */
+  headerOf(delivery: Delivery): ContentHeader;
+  /** The exchange and routing key it was published with, as the bytes the source broker sent. */
+  routingOf(delivery: Delivery): { exchange: string | Buffer; routingKey: string | Buffer };
+  /** Done with it: the source forgets it. False when it can no longer be settled (see holds). */
+  ack(delivery: Delivery): boolean;
+  /** Given back: the source delivers it again later. */
+  requeue(delivery: Delivery): boolean;
+  /** Handed to the source's dead-letter handling (RabbitMQ drops it where the queue has none). */
+  deadLetter(delivery: Delivery): boolean;
+  /** Moved to the park queue with `reason`; false (nothing moved) when it could not be. */
+  park(delivery: Delivery, reason: string): Promise<boolean>;
+  /** Whether it is still ours to settle: false once the source took it back (a lost connection). */
+  holds(delivery: Delivery): boolean;
+}
+
+/** One publish: the pipeline fills the message fields, the target the answer fields. */
+export interface Publish {
+  /** The raw content header to send: property flags and list, changed as docs/guarantee.md says. */
+  properties: Buffer;
+  content: Buffer;
+  /** The routing key it came with (bytes as the source sent them); a target may route otherwise. */
+  routingKey: string | Buffer;
+  /**
+   * The wire value of its `_HQ_DUPL_ID` field. One publish per ID is in flight at a time, so a
+   * target may match answers (a basic.return, say) and remember messages by it.
+   */
+  id: string;
+  /**
+   * performance.now() past which it must not be written (its lease is no longer known to hold):
+   * checked at the write itself, after any wait for the connection, an alarm or a full buffer.
+   */
+  writeBy: number;
+  /** Set by the target while the message is written (handed to the connection) and unanswered. */
+  written?: boolean;
+  /** Set by the target with a refusal: why, in words for the log line and the park reason. */
+  refusal?: string;
+}
+
+/**
+ * Why a target refused a message. 'rejected' may leave a copy stored (published to several
+ * queues, one refused it and another stored it), so its ID stays in doubt; the others store none.
+ */
+export type Refusal =
+  | 'unroutable' // nothing was bound to take it
+  | 'rejected' // refused (a queue over its length limit, say)
+  | 'too-large' // over the target's size limit
+  | 'unpublishable'; // cannot be sent as it is (never sent)
+
+/** What became of one publish. */
+export type PublishOutcome =
+  | 'stored' // the target holds it
+  | Refusal
+  | 'unknown' // maybe stored (the connection went before the answer): sent again, flagged
+  | 'unsent' // surely not stored (never sent, or dropped unread): sent again as it was
+  | 'fenced'; // not sent: its writeBy had passed (claimed again first)
+
+export interface Target {
+  /** Publishes one message and tells `answered` its outcome, once (a callback: no promise each). */
+  send(publish: Publish, answered: (outcome: PublishOutcome) => void): void;
+  /**
+   * Drops what has not left this host and makes every unanswered publish end 'unknown' (a
+   * process whose leases run out must not deliver late); the target connects again.
+   */
+  reset(reason: string): void;
+  /** The target's size limit, once it refused a message for being larger (for stall advice). */
+  readonly sizeLimit: number | undefined;
+}
