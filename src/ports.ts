@@ -95,3 +95,28 @@ export interface Target {
   /** The target's size limit, once it refused a message for being larger (for stall advice). */
   readonly sizeLimit: number | undefined;
 }
+
+/**
+ * What the cache said about an ID at claim: 'new' (ours now), 'dup' (committed: on the target
+ * already), 'busy' (another owner holds it), 'in-doubt' (ours now; an earlier owner's copy may be
+ * on the target, so ours goes flagged).
+ */
+export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
+
+/**
+ * What a commit found: our claim ('committed'), the ID committed already ('already'), another
+ * owner's claim ('taken', committed anyway), or nothing at all ('restored': the cache had lost it).
+ */
+export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
+
+/** The dedup cache as the pipeline uses it: claims with a lease, commits, releases, renewals. */
+export interface Claims {
+  /** The cache key of an ID (which a message's later copies share). */
+  keyOf(idKey: string): string;
+  claim(keys: readonly string[]): Promise<ClaimState[]>;
+  commit(keys: readonly string[]): Promise<CommitResult[]>;
+  /** Gives up our claims; with keepInDoubt they stay, expired and flagged, for the next owner. */
+  release(keys: readonly string[], options?: { keepInDoubt?: boolean }): Promise<number>;
+  /** Extends our leases: true renewed, false no longer ours (committed, taken over, released). */
+  renewEach(keys: readonly string[]): Promise<boolean[]>;
+}

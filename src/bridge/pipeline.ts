@@ -2,12 +2,20 @@ import { backoffDelay, sleep } from '../backoff.js';
 import { BoundedMap } from '../bounded-map.js';
 import type { IdStrategy } from '../config/id-from.js';
 import type { UnroutablePolicy } from '../config/settings.js';
-import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
 import { ConfigError, describe, FatalConnectError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
-import type { Delivery, Publish, PublishOutcome, Source, Target } from '../ports.js';
+import type {
+  ClaimState,
+  Claims,
+  CommitResult,
+  Delivery,
+  Publish,
+  PublishOutcome,
+  Source,
+  Target,
+} from '../ports.js';
 import { encodeValue, rawField } from '../wire/fields.js';
 import { type ContentHeader, ContentHeaderError } from '../wire/properties.js';
 import { newCounters, type RouteCounters } from './counters.js';
@@ -180,7 +188,7 @@ export class Pipeline {
     private readonly settings: RouteSettings,
     private readonly source: Source,
     private readonly target: Target,
-    private readonly cache: DedupCache,
+    private readonly cache: Claims,
     private readonly log: Logger,
   ) {
     this.perMessage = new PerMessageLog(log);

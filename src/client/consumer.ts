@@ -3,11 +3,12 @@ import type { ChainableCommander, Cluster, Redis } from 'ioredis';
 import { installLosslessReaderFor } from '../amqp/internals.js';
 import { backoffDelay } from '../backoff.js';
 import { REDIS_PREFIX_PATTERN, SCOPE_PATTERN } from '../config/settings.js';
-import { type ClaimState, DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
+import { DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
 import { keyOfField } from '../dedup/id.js';
 import type { RedisClient } from '../dedup/redis.js';
 import { ConfigError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER } from '../headers.js';
+import type { ClaimState } from '../ports.js';
 import { type ContentHeader, ContentHeaderError, contentHeaderOf } from '../wire/properties.js';
 
 export interface HandlerContext {

@@ -3,10 +3,8 @@ import { readFileSync } from 'node:fs';
 import { type ChainableCommander, Cluster, type Redis } from 'ioredis';
 import { formatDuration } from '../config/duration.js';
 import { ConfigError } from '../errors.js';
+import type { ClaimState, Claims, CommitResult } from '../ports.js';
 import { asMissingGrant, type RedisClient } from './redis.js';
-
-export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
-export type CommitResult = 'committed' | 'already' | 'taken' | 'restored';
 
 const CLAIM_STATES: readonly ClaimState[] = ['new', 'dup', 'busy', 'in-doubt'];
 const COMMIT_RESULTS: readonly CommitResult[] = ['committed', 'committed', 'already', 'taken', 'restored'];
@@ -256,7 +254,7 @@ type ScriptCall = (numKeys: number, ...args: Arg[]) => Promise<unknown>;
  * (claimed), for one scope. Each method takes a batch of claim keys (from `keyOf`) and makes one
  * script call per slot shard among them.
  */
-export class DedupCache {
+export class DedupCache implements Claims {
   readonly token: string;
   /**
    * How many IDs a new scope's first slice should have room for (the bridge sets the source
