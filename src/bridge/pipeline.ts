@@ -36,7 +36,7 @@ const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HE
 /** The stages whose latency metrics watch: the Redis claim and commit, and the target's confirm. */
 export type LatencyStage = 'claim' | 'commit' | 'confirm';
 
-interface RouteSettings {
+export interface RouteSettings {
   name: string;
   sourceQueue: string;
   /** The user the target connection logs in as: a `user_id` property naming another is moved to a header. */
