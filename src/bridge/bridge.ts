@@ -249,11 +249,7 @@ export async function startBridge(
 
   const pipeline = new Pipeline(
     {
-      name: settings.route,
-      sourceQueue: settings.sourceQueue,
       targetUser: settings.targetUser,
-      scope: settings.scope,
-      redisPrefix: settings.redisPrefix,
       idFrom: settings.idFrom,
       batchSize: settings.batchSize,
       leaseMs: settings.leaseMs,

@@ -1,4 +1,5 @@
 import type { Logger } from '../log.js';
+import type { Delivery } from '../ports.js';
 
 /** How many lines of one kind are written per interval; the rest are counted and summed up. */
 const LINES_PER_INTERVAL = 10;
@@ -9,6 +10,14 @@ const MAX_TEXT = 200;
 /** Cuts text that came from a message, so that one message cannot write a 128 KiB log line. */
 export function clip(text: string): string {
   return text.length <= MAX_TEXT ? text : `${text.slice(0, MAX_TEXT)}… (${text.length} characters)`;
+}
+
+/** What names a message in a log line: its ID (or message_id) and routing key, clipped. */
+export function namedOf(message: Delivery, id?: string): Record<string, string> {
+  const named: Record<string, string> = { routingKey: clip(message.fields.routingKey) };
+  const shown = id ?? message.properties.messageId;
+  if (shown !== undefined) named.id = clip(String(shown));
+  return named;
 }
 
 /**

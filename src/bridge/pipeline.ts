@@ -1,48 +1,27 @@
 import { backoffDelay, sleep } from '../backoff.js';
-import { BoundedMap } from '../bounded-map.js';
+import { Coalescer } from '../coalesce.js';
 import type { IdStrategy } from '../config/id-from.js';
 import type { UnroutablePolicy } from '../config/settings.js';
-import { deriveId } from '../dedup/id.js';
-import { ConfigError, describe, FatalConnectError } from '../errors.js';
-import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
+import { describe } from '../errors.js';
 import type { Logger } from '../log.js';
-import type {
-  ClaimState,
-  Claims,
-  CommitResult,
-  Delivery,
-  Publish,
-  PublishOutcome,
-  Source,
-  Target,
-} from '../ports.js';
-import { encodeValue, rawField } from '../wire/fields.js';
-import { type ContentHeader, ContentHeaderError } from '../wire/properties.js';
+import type { ClaimState, Claims, CommitResult, Delivery, PublishOutcome, Source, Target } from '../ports.js';
+import type { ContentHeader } from '../wire/properties.js';
+import { Admission } from './admission.js';
+import { Abandoned, CacheCalls } from './cache-calls.js';
 import { newCounters, type RouteCounters } from './counters.js';
+import { type Entry, type Failure, newEntry } from './entry.js';
+import { Leases } from './leases.js';
 import type { MessageBudget } from './limits.js';
-import { clip, PerMessageLog } from './per-message.js';
-
-const IN_DOUBT_FIELD = rawField(IN_DOUBT_HEADER, encodeValue({ type: 't', value: true }));
-// The header fields a forwarded copy gets anew (see outgoing), and `_HQ_DUPL_ID` too when the
-// bridge sets it: made once, not per message.
-const REPLACED: readonly string[] = [IN_DOUBT_HEADER, SOURCE_USER_HEADER, ROUTE_HEADER];
-const REPLACED_WITH_ID: readonly string[] = [...REPLACED, DUPLICATE_ID_HEADER];
-// With --strip-cc also the sender-selected distribution headers: RabbitMQ routes a copy of the
-// message to each routing key they list, on the target as on the source.
-const CC_HEADERS: readonly string[] = ['CC', 'BCC'];
-const REPLACED_NO_CC: readonly string[] = [...REPLACED, ...CC_HEADERS];
-const REPLACED_WITH_ID_NO_CC: readonly string[] = [...REPLACED_WITH_ID, ...CC_HEADERS];
+import { PerMessageLog } from './per-message.js';
+import { Refusals } from './refusals.js';
+import { ForwardedHeader } from './route-mark.js';
 
 /** The stages whose latency metrics watch: the Redis claim and commit, and the target's confirm. */
 export type LatencyStage = 'claim' | 'commit' | 'confirm';
 
 export interface RouteSettings {
-  name: string;
-  sourceQueue: string;
   /** The user the target connection logs in as: a `user_id` property naming another is moved to a header. */
   targetUser: string | undefined;
-  scope: string;
-  redisPrefix: string;
   idFrom: readonly IdStrategy[];
   batchSize: number;
   leaseMs: number;
@@ -62,75 +41,23 @@ export interface RouteSettings {
   afterConfirm: (() => void) | undefined;
 }
 
-/**
- * One source message on its way through claim → publish → commit → ack; also its publish to the
- * target (one object per message on the forwarding path).
- */
-interface Entry extends Publish {
-  message: Delivery;
-  /** The content header as the source delivered it (undefined when it cannot be read). */
-  header: ContentHeader | undefined;
-  /** Full Redis key; undefined when the message has no ID. */
-  key: string | undefined;
-  /** The `_HQ_DUPL_ID` field for the target (its name and value bytes), unless the message's own. */
-  idField: Buffer | undefined;
-  /** The ID as the cache keys it (for log lines), when it has one. */
-  idText?: string;
-  state: ClaimState | undefined;
-  /** True for the copy of its ID that is in flight; later copies wait in `inFlight`. */
-  leading: boolean;
-  /** Why the bridge refuses it, when it does (said in the log and the park reason). */
-  refusal?: string;
-  /** performance.now() when the claim now held was asked for (0: no claim). */
-  claimedAt: number;
-  /** Until when our lease surely holds: asked for at claimedAt or a renewal, plus the lease. */
-  leaseUntil: number;
-  /** A publish of it was sent and is unanswered (see fenceWrites; `written` once it is on its way). */
-  outstanding: boolean;
-  /** A copy of ours may be on the target: every later copy goes flagged, whatever the claim says. */
-  doubt: boolean;
-  /** Confirmed, its commit sent: a renewal that finds no claim may have run after the commit. */
-  committing: boolean;
-}
-
-/** Why a message is refused; 'unreadable', 'unpublishable' and 'loop' come with the detail. */
-type Failure = 'unroutable' | 'nacked' | 'no-id' | 'unreadable' | 'unpublishable' | 'loop';
-
-/** How many routes a message's `x-dedup-route` mark remembers (the last ones it went through). */
-const MAX_ROUTE_MARKS = 16;
-
-/** Thrown inside work that a stop abandoned when its time ran out. */
-class Abandoned extends Error {}
-
-// An ACL refusal, of the call itself or of a command inside a script.
-const REDIS_NO_PERMISSION = /NOPERM|can't run this command/;
-
 // Claim calls out at once; the messages that arrive meanwhile wait and go as the next batch.
 const MAX_CLAIMS_OUT = 2;
 // The most IDs one commit call takes (a Redis script blocks the server while it runs).
 const MAX_COMMIT_IDS = 1000;
 // How long a message whose ID another owner holds waits before it is claimed again.
 const BUSY_RECHECK_MS = 250;
-// A message is written to the target only while at least this share of its lease is left, so
-// that a process that stalled (paused, starved of CPU, cut off from Redis) after its claim does
-// not publish under a lease another owner may already have taken over.
-const LEASE_WRITE_SHARE = 1 / 3;
-// A publish that is out and unconfirmed when its lease is down to this share (Redis renewed
-// nothing meanwhile) makes the bridge reset the target connection: what has not left this host is
-// then never sent, so it cannot land after another owner's copy as an unflagged second copy.
-const LEASE_RESET_SHARE = 1 / 5;
-// An Entry's properties before its first publish.
-const EMPTY = Buffer.alloc(0);
-// Remembered retry counts of failing IDs, for their backoff; bounded, oldest forgotten first.
-const MAX_RETRY_MEMORY = 10_000;
 
 function secondsSince(started: number): number {
   return (performance.now() - started) / 1000;
 }
 
 /**
- * The forwarding protocol for one route. Every source message is acked only after the target
- * confirmed it and its ID was committed, or after the cache showed its ID already committed.
+ * The forwarding protocol for one route: batch → claim → publish → commit → ack. Every source
+ * message is acked only after the target stored it and its ID was committed, or after the cache
+ * showed its ID already committed. Reading a delivery (admission.ts), what becomes of a message
+ * that cannot be forwarded (refusals.ts), leases and fencing (leases.ts), the forwarded header
+ * (route-mark.ts) and retrying cache calls (cache-calls.ts) are modules of their own.
  */
 export class Pipeline {
   readonly counters: RouteCounters = newCounters();
@@ -138,49 +65,26 @@ export class Pipeline {
   onLatency: (stage: LatencyStage, seconds: number, messages: number) => void = () => {};
   /** Messages delivered to us and not yet acked or returned. */
   private held = 0;
-  /**
-   * Of those, messages the target refused (or that cannot be forwarded), held to be retried after
-   * a backoff: from their first failure until they are forwarded or given back.
-   */
-  private readonly retrying = new Set<Entry>();
   private lastProgressAt = Date.now();
-  private failuresSinceProgress = 0;
 
   private readonly batch: Entry[] = [];
   private flushScheduled = false;
   /** Claim calls sent and not yet answered (see flush). */
   private claimsOut = 0;
-  /** Confirmed batches waiting for the commit call out to come back (see commitSoon). */
-  private readonly commitQueue: {
-    keys: string[];
-    resolve: (results: CommitResult[]) => void;
-    reject: (error: unknown) => void;
-  }[] = [];
-  private committing = false;
+  /** One commit call out at a time: the batches stored meanwhile go together in the next. */
+  private readonly commits: Coalescer<CommitResult>;
   /** IDs in flight in this process → copies of the same ID waiting for its outcome. */
   private readonly inFlight = new Map<string, Entry[]>();
-  /** Entries holding a claim that is not yet committed or released (their leases are renewed). */
-  private readonly claimed = new Set<Entry>();
   private readonly timers = new Map<NodeJS.Timeout, () => void>();
   private readonly active = new Set<Promise<void>>();
-  private readonly retryCounts = new BoundedMap<string, number>(MAX_RETRY_MEMORY);
-  private ownRouteField: Buffer | undefined;
-  /** The header fields a forwarded copy drops or gets anew, with the message's own ID or with ours. */
-  private readonly replaced: { own: readonly string[]; withId: readonly string[] };
   /** Lines about single messages, capped per kind and interval, their message text clipped. */
   private readonly perMessage: PerMessageLog;
-  private renewTimer: NodeJS.Timeout | undefined;
-  private fenceTimer: NodeJS.Timeout | undefined;
-  private renewing = false;
-  /** Set while Redis calls fail, so that an outage is logged once, not once per batch. */
-  private redisFailing = false;
-  /** When the current streak of failed Redis calls began (Date.now()); undefined once one succeeds. */
-  private failingSince: number | undefined;
-  /** The first line of the streak's last error (an error reply such as OOM). */
-  private lastRedisError: string | undefined;
+  private readonly forwarded: ForwardedHeader;
+  private readonly admission: Admission;
+  private readonly refusals: Refusals;
+  private readonly leases: Leases;
+  private readonly calls: CacheCalls;
   private stopping = false;
-  /** Set when a stop ran out of time: publishes still waiting for the target give up. */
-  private abandoned = false;
   private failed: ((error: Error) => void) | undefined;
   private idleWaiters: (() => void)[] = [];
 
@@ -192,18 +96,41 @@ export class Pipeline {
     private readonly log: Logger,
   ) {
     this.perMessage = new PerMessageLog(log);
-    this.replaced = settings.stripCc
-      ? { own: REPLACED_NO_CC, withId: REPLACED_WITH_ID_NO_CC }
-      : { own: REPLACED, withId: REPLACED_WITH_ID };
+    this.calls = new CacheCalls(log);
+    this.forwarded = new ForwardedHeader(settings.routeMark, settings.targetUser, settings.stripCc);
+    this.admission = new Admission(
+      source,
+      settings.idFrom,
+      (idKey) => cache.keyOf(idKey),
+      this.forwarded,
+      this.counters,
+      this.perMessage,
+    );
+    this.refusals = new Refusals(
+      { policy: settings.onUnroutable, parkQueue: settings.parkQueue, retryDelay: settings.requeueDelay },
+      source,
+      this.counters,
+      this.perMessage,
+      {
+        settle: (entry, respond) => this.settle(entry, respond),
+        progress: () => this.progress(),
+        later: (ms, entries, then, onStop) => this.later(ms, entries, then, onStop),
+        giveBack: (entry) => this.giveBack(entry),
+        forward: (entry) => this.enqueue(entry),
+      },
+    );
+    this.leases = new Leases(settings.leaseMs, cache, target, this.counters, log);
+    this.commits = new Coalescer(MAX_COMMIT_IDS, async (keys) => {
+      const results = await this.calls.run('commit', () => this.cache.commit(keys));
+      this.noteCommits(results);
+      return results;
+    });
   }
 
   /** Starts consuming; `onFatal` is told of failures this pipeline cannot recover from. */
   async start(onFatal: (error: Error) => void): Promise<void> {
     this.failed = onFatal;
-    const renewEvery = Math.max(100, Math.floor(this.settings.leaseMs / 3));
-    this.renewTimer = setInterval(() => this.renewLeases(), renewEvery);
-    const fenceEvery = Math.max(50, Math.floor(this.settings.leaseMs / 10));
-    this.fenceTimer = setInterval(() => this.fenceWrites(), fenceEvery);
+    this.leases.start();
     await this.source.consume((message) => this.receive(message));
   }
 
@@ -213,11 +140,10 @@ export class Pipeline {
    * while calls succeed. The bridge counts it as an outage for --retry-for.
    */
   get redisFailingSince(): { since: number; error: string } | undefined {
-    if (this.failingSince === undefined) return undefined;
-    return { since: this.failingSince, error: this.lastRedisError ?? 'no answer' };
+    return this.calls.failingStreak;
   }
 
-  /** The target's max_message_size, once it refused a message for being larger. */
+  /** The target's size limit, once it refused a message for being larger. */
   get targetSizeLimit(): number | undefined {
     return this.target.sizeLimit;
   }
@@ -232,10 +158,11 @@ export class Pipeline {
    * waiting behind them): nothing else is being forwarded.
    */
   get onlyFailuresHeld(): boolean {
-    if (this.held === 0 || this.retrying.size === 0) return false;
+    const retrying = this.refusals.retrying.size;
+    if (this.held === 0 || retrying === 0) return false;
     let behind = 0;
     for (const waiting of this.inFlight.values()) behind += waiting.length;
-    return this.held === this.retrying.size + behind;
+    return this.held === retrying + behind;
   }
 
   /** When a message was last forwarded, skipped as a duplicate, parked or dead-lettered. */
@@ -248,7 +175,7 @@ export class Pipeline {
   }
 
   get failedSinceProgress(): number {
-    return this.failuresSinceProgress;
+    return this.refusals.sinceProgress;
   }
 
   get limitReached(): boolean {
@@ -282,12 +209,11 @@ export class Pipeline {
       this.flush();
       const result = await Promise.race([Promise.allSettled([...this.active]), deadline]);
       if (result === 'timeout') {
-        this.abandoned = true;
+        this.calls.abandoned = true;
         break;
       }
     }
-    if (this.renewTimer) clearInterval(this.renewTimer);
-    if (this.fenceTimer) clearInterval(this.fenceTimer);
+    this.leases.stop();
     this.perMessage.flush();
     // A source reconnect waiting to consume again must not wait any longer.
     for (const wake of this.idleWaiters.splice(0)) wake();
@@ -306,85 +232,13 @@ export class Pipeline {
     if (message.fields.redelivered) this.counters.redelivered++;
     if (this.limitReached) void this.source.stopConsuming();
 
-    const blank: Entry = {
-      message,
-      header: undefined,
-      key: undefined,
-      idField: undefined,
-      properties: EMPTY,
-      content: message.content,
-      routingKey: '',
-      id: '',
-      state: undefined,
-      leading: false,
-      claimedAt: 0,
-      leaseUntil: 0,
-      writeBy: 0,
-      outstanding: false,
-      doubt: false,
-      committing: false,
-    };
-    let header: ContentHeader;
-    try {
-      header = this.source.headerOf(message);
-    } catch (error) {
-      if (!(error instanceof ContentHeaderError)) throw error;
-      this.track(this.handleFailure(blank, 'unreadable', error.message));
+    const entry = newEntry(message);
+    const refused = this.admission.admit(entry);
+    if (refused) {
+      this.track(this.refusals.refuse(entry, refused.why, refused.detail));
       return;
     }
-    blank.header = header;
-    if (header.tableError !== undefined) {
-      // Its headers cannot be read (nested too deep, say): refused, never a dropped connection.
-      this.track(this.handleFailure(blank, 'unreadable', header.tableError));
-      return;
-    }
-    const marks = routeMarksOf(header);
-    if (marks.includes(this.settings.routeMark)) {
-      // This route forwarded it before and the target routed it back into the source queue: as a
-      // duplicate it would be acked and deleted. It is refused instead, loudly.
-      this.counters.looped++;
-      this.perMessage.error(
-        { ...this.named(message), route: this.settings.routeMark },
-        'a message this route forwarded came back to its source queue: the target routes into the source (a loop); it is not acked',
-      );
-      this.track(
-        this.handleFailure(
-          blank,
-          'loop',
-          'forwarded by this route before: the target routes back into the source queue',
-        ),
-      );
-      return;
-    }
-    const routing = this.source.routingOf(message);
-    blank.routingKey = routing.routingKey;
-    const { id, rejected } = deriveId(
-      { content: message.content, exchange: routing.exchange, routingKey: routing.routingKey, header },
-      this.settings.idFrom,
-    );
-    if (rejected.length > 0) {
-      this.counters.badIdHeader++;
-      this.perMessage.warn(
-        { ...this.named(message), rejected, usedStrategy: id?.strategy ?? 'none' },
-        'message has an ID header of a type that cannot be an ID; the next --id-from strategy decided',
-      );
-    }
-    if (!id) {
-      this.counters.noId++;
-      this.perMessage.warn(
-        { ...this.named(message), strategies: this.settings.idFrom.length },
-        'message has no ID under any --id-from strategy; it is not forwarded',
-      );
-      this.track(this.handleFailure(blank, 'no-id'));
-      return;
-    }
-    const key = this.cache.keyOf(id.key);
-    // The same entry, now with its ID (one object per message on the forwarding path).
-    const entry = blank;
-    entry.key = key;
-    entry.idField = id.own ? undefined : rawField(DUPLICATE_ID_HEADER, id.value);
-    entry.idText = id.key;
-    entry.id = id.value.toString('latin1');
+    const key = entry.key as string;
     const waiting = this.inFlight.get(key);
     if (waiting) {
       // A copy of this ID is already on its way: wait for its outcome, then claim.
@@ -433,57 +287,12 @@ export class Pipeline {
 
   /** claim → publish → commit → ack, for one batch of distinct IDs. */
   private async forward(entries: Entry[]): Promise<void> {
-    const keys = entries.map((entry) => entry.key as string);
-    const claimStarted = performance.now();
-    this.claimsOut++;
-    let states: ClaimState[];
-    // When the claim that answered was asked for: the lease runs from no earlier than that.
-    let askedAt = 0;
-    try {
-      states = await this.redis('claim', () => {
-        askedAt = performance.now();
-        return this.cache.claim(keys);
-      });
-    } finally {
-      this.claimsOut--;
-      if (this.batch.length > 0) this.flush();
-    }
-    this.onLatency('claim', secondsSince(claimStarted), entries.length);
-    const toPublish: Entry[] = [];
-    const busy: Entry[] = [];
-    const { leaseMs } = this.settings;
-    entries.forEach((entry, index) => {
-      const claimed = states[index] as ClaimState;
-      // Our own claim seen again answers 'new'; a copy of ours may still be out there.
-      const state = claimed === 'new' && entry.doubt ? 'in-doubt' : claimed;
-      entry.state = state;
-      if (state === 'dup') {
-        this.counters.duplicates++;
-        this.progress();
-        this.settle(entry, () => this.source.ack(entry.message));
-      } else if (state === 'busy') {
-        busy.push(entry);
-      } else {
-        entry.claimedAt = askedAt;
-        entry.leaseUntil = askedAt + leaseMs;
-        entry.writeBy = entry.leaseUntil - leaseMs * LEASE_WRITE_SHARE;
-        this.claimed.add(entry);
-        toPublish.push(entry);
-      }
-    });
-    if (busy.length > 0) {
-      this.later(
-        BUSY_RECHECK_MS,
-        busy,
-        (entry) => this.enqueue(entry),
-        (entry) => this.giveBack(entry),
-      );
-    }
+    const toPublish = await this.claim(entries);
     if (toPublish.length === 0) return;
     if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
     const outcomes = await this.publishBatch(toPublish);
-    const confirmed: Entry[] = [];
+    const stored: Entry[] = [];
     const refused: [Entry, Failure, string?][] = [];
     const lost: Entry[] = [];
     const fenced: Entry[] = [];
@@ -491,7 +300,7 @@ export class Pipeline {
     const maybeStored = new Set<Entry>();
     toPublish.forEach((entry, index) => {
       const outcome = outcomes[index] as PublishOutcome;
-      if (outcome === 'stored') confirmed.push(entry);
+      if (outcome === 'stored') stored.push(entry);
       else if (outcome === 'fenced') fenced.push(entry);
       else if (outcome === 'unroutable') refused.push([entry, 'unroutable']);
       else if (outcome === 'rejected') {
@@ -507,56 +316,106 @@ export class Pipeline {
       // whoever holds the ID meanwhile decides (busy, or a duplicate once it committed).
       this.counters.fenced += fenced.length;
       this.perMessage.warn(
-        { count: fenced.length, leaseMs },
+        { count: fenced.length, leaseMs: this.settings.leaseMs },
         'lease not known to hold at publish time (the process stalled, or Redis renewed nothing): not sent; claiming again',
       );
       for (const entry of fenced) {
-        this.claimed.delete(entry);
+        this.leases.drop(entry);
         this.enqueue(entry);
       }
     }
-
-    if (confirmed.length > 0) {
-      for (const entry of confirmed) entry.committing = true;
-      this.settings.afterConfirm?.();
-      const commitStarted = performance.now();
-      const results = await this.commitSoon(confirmed.map((entry) => entry.key as string));
-      this.onLatency('commit', secondsSince(commitStarted), confirmed.length);
-      confirmed.forEach((entry, index) => {
-        this.claimed.delete(entry);
-        if (results[index] === 'taken') this.counters.claimTakenOver++;
-        this.counters.forwarded++;
-        if (entry.state === 'in-doubt') this.counters.inDoubt++;
-        this.retryCounts.delete(entry.key as string);
-        this.settle(entry, () => this.source.ack(entry.message));
-      });
-      this.progress();
-    }
-
-    if (refused.length > 0) {
-      const refusedEntries = refused.map(([entry]) => entry);
-      // A claim that is in doubt stays so: an earlier copy may be on the target, and the next
-      // attempt, by anyone, must flag its copy. So does one the target may have stored anyway.
-      const keysOf = (inDoubt: boolean) =>
-        refusedEntries
-          .filter((entry) => (entry.state === 'in-doubt' || maybeStored.has(entry)) === inDoubt)
-          .map((entry) => entry.key as string);
-      await this.redis('release', () => this.cache.release(keysOf(false)));
-      await this.redis('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
-      for (const entry of refusedEntries) this.claimed.delete(entry);
-      await Promise.all(refused.map(([entry, why, detail]) => this.handleFailure(entry, why, detail)));
-    }
-
+    if (stored.length > 0) await this.commit(stored);
+    if (refused.length > 0) await this.release(refused, maybeStored);
     if (lost.length > 0) {
       // Only when stopping gave up waiting for the target: the target may hold these, so keep the
       // claims (they run out as in-doubt, and the next attempt is flagged) and leave the messages
       // unacked for the source to give back.
       for (const entry of lost) {
-        this.claimed.delete(entry);
+        this.leases.drop(entry);
         this.counters.returned++;
         this.settle(entry, () => false);
       }
     }
+  }
+
+  /** Claims the batch's IDs: acks the duplicates, holds the busy ones, returns those now ours. */
+  private async claim(entries: Entry[]): Promise<Entry[]> {
+    const keys = entries.map((entry) => entry.key as string);
+    const claimStarted = performance.now();
+    this.claimsOut++;
+    let states: ClaimState[];
+    // When the claim that answered was asked for: the lease runs from no earlier than that.
+    let askedAt = 0;
+    try {
+      states = await this.calls.run('claim', () => {
+        askedAt = performance.now();
+        return this.cache.claim(keys);
+      });
+    } finally {
+      this.claimsOut--;
+      if (this.batch.length > 0) this.flush();
+    }
+    this.onLatency('claim', secondsSince(claimStarted), entries.length);
+    const ours: Entry[] = [];
+    const busy: Entry[] = [];
+    entries.forEach((entry, index) => {
+      const claimed = states[index] as ClaimState;
+      // Our own claim seen again answers 'new'; a copy of ours may still be out there.
+      const state = claimed === 'new' && entry.doubt ? 'in-doubt' : claimed;
+      entry.state = state;
+      if (state === 'dup') {
+        this.counters.duplicates++;
+        this.progress();
+        this.settle(entry, () => this.source.ack(entry.message));
+      } else if (state === 'busy') {
+        busy.push(entry);
+      } else {
+        this.leases.grant(entry, askedAt);
+        ours.push(entry);
+      }
+    });
+    if (busy.length > 0) {
+      this.later(
+        BUSY_RECHECK_MS,
+        busy,
+        (entry) => this.enqueue(entry),
+        (entry) => this.giveBack(entry),
+      );
+    }
+    return ours;
+  }
+
+  /** Commits what the target stored, then acks it at the source. */
+  private async commit(stored: Entry[]): Promise<void> {
+    for (const entry of stored) entry.committing = true;
+    this.settings.afterConfirm?.();
+    const commitStarted = performance.now();
+    const results = await this.commits.submit(stored.map((entry) => entry.key as string));
+    this.onLatency('commit', secondsSince(commitStarted), stored.length);
+    stored.forEach((entry, index) => {
+      this.leases.drop(entry);
+      if (results[index] === 'taken') this.counters.claimTakenOver++;
+      this.counters.forwarded++;
+      if (entry.state === 'in-doubt') this.counters.inDoubt++;
+      this.refusals.forwarded(entry.key as string);
+      this.settle(entry, () => this.source.ack(entry.message));
+    });
+    this.progress();
+  }
+
+  /** Gives up the claims of refused messages, then hands them to the refusal policy. */
+  private async release(refused: [Entry, Failure, string?][], maybeStored: Set<Entry>): Promise<void> {
+    const entries = refused.map(([entry]) => entry);
+    // A claim that is in doubt stays so: an earlier copy may be on the target, and the next
+    // attempt, by anyone, must flag its copy. So does one the target may have stored anyway.
+    const keysOf = (inDoubt: boolean) =>
+      entries
+        .filter((entry) => (entry.state === 'in-doubt' || maybeStored.has(entry)) === inDoubt)
+        .map((entry) => entry.key as string);
+    await this.calls.run('release', () => this.cache.release(keysOf(false)));
+    await this.calls.run('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
+    for (const entry of entries) this.leases.drop(entry);
+    await Promise.all(refused.map(([entry, why, detail]) => this.refusals.refuse(entry, why, detail)));
   }
 
   /**
@@ -604,7 +463,7 @@ export class Pipeline {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
       if (outcome !== 'unknown' && outcome !== 'unsent') return outcome;
-      if (this.abandoned) return 'unknown';
+      if (this.calls.abandoned) return 'unknown';
       if (outcome === 'unknown') {
         // Written and not answered: from here on a copy of ours may be on the target.
         entry.doubt = true;
@@ -620,120 +479,14 @@ export class Pipeline {
     }
   }
 
-  /** The `x-dedup-route` field for a forwarded copy: the marks it came with, and this route's. */
-  private routeField(header: ContentHeader): Buffer {
-    const came = routeMarksOf(header);
-    if (came.length === 0) {
-      const own = this.ownRouteField ?? markField([this.settings.routeMark]);
-      this.ownRouteField = own;
-      return own;
-    }
-    return markField([...came, this.settings.routeMark].slice(-MAX_ROUTE_MARKS));
-  }
-
-  /** What names a message in a log line: its ID (or message_id) and routing key, clipped. */
-  private named(message: Delivery, id?: string): Record<string, string> {
-    const named: Record<string, string> = { routingKey: clip(message.fields.routingKey) };
-    const shown = id ?? message.properties.messageId;
-    if (shown !== undefined) named.id = clip(String(shown));
-    return named;
-  }
-
-  /**
-   * Publishes the message with its content header as the source delivered it, changed only as
-   * documented: `_HQ_DUPL_ID` set when the ID came from elsewhere, `x-dedup-in-doubt` removed or
-   * added, and a `user_id` the target would refuse moved to a header.
-   */
+  /** Publishes the message with the header a forwarded copy gets (see ForwardedHeader). */
   private send(entry: Entry, answered: (outcome: PublishOutcome) => void): void {
-    entry.properties = this.outgoing(entry);
+    entry.properties = this.forwarded.of(entry.header as ContentHeader, {
+      marks: entry.marks,
+      idField: entry.idField,
+      inDoubt: entry.state === 'in-doubt',
+    });
     this.target.send(entry, answered);
-  }
-
-  /** The content header a message is forwarded with. */
-  private outgoing(entry: Entry): Buffer {
-    const header = entry.header as ContentHeader;
-    // x-dedup-source-user-id is the bridge's to write: a producer could forge one, so one that came
-    // with the message is dropped, and set only from a user_id the source broker vouched for.
-    const remove = entry.idField ? this.replaced.withId : this.replaced.own;
-    const append: Buffer[] = [];
-    if (entry.idField) append.push(entry.idField);
-    const userId = header.userIdBytes;
-    const foreignUser = userId !== undefined && userId.toString('utf8') !== this.settings.targetUser;
-    if (foreignUser) {
-      // RabbitMQ refuses a user_id that is not the publishing user; keep it as a header instead.
-      append.push(rawField(SOURCE_USER_HEADER, encodeValue({ type: 'S', value: userId })));
-    }
-    if (entry.state === 'in-doubt') append.push(IN_DOUBT_FIELD);
-    // The routes it went through, this one last, so that a loop back here is seen.
-    append.push(this.routeField(header));
-    return header.splice({ remove, append, dropUserId: foreignUser });
-  }
-
-  /** Unroutable, refused, or without an ID: park, dead-letter, or requeue after a backoff. */
-  private async handleFailure(entry: Entry, why: Failure, detail?: string): Promise<void> {
-    if (why === 'unroutable') this.counters.unroutable++;
-    if (why === 'nacked') this.counters.nacked++;
-    if (why === 'unreadable' || why === 'unpublishable') this.counters.unforwardable++;
-    const named = this.named(entry.message, entry.idText);
-    if (detail !== undefined) {
-      this.perMessage.warn({ ...named, reason: why, detail }, `message refused: ${detail}`, `refused ${why}`);
-    }
-    this.failuresSinceProgress++;
-    const { onUnroutable, parkQueue } = this.settings;
-    const reason = detail === undefined ? why : `${why}: ${detail}`;
-    if (onUnroutable === 'park' && parkQueue !== undefined) {
-      if (await this.source.park(entry.message, reason)) {
-        this.counters.parked++;
-        this.progress();
-        this.perMessage.warn({ ...named, reason: why, parkQueue }, 'message parked');
-        this.settle(entry, () => this.source.ack(entry.message));
-        return;
-      }
-      this.perMessage.warn({ ...named, parkQueue }, 'parking failed; the message goes back to the source');
-    } else if (onUnroutable === 'dead-letter') {
-      this.counters.deadLettered++;
-      this.progress();
-      this.perMessage.warn(
-        { ...named, reason: why },
-        "message rejected to the source queue's dead-letter exchange (RabbitMQ drops it if the queue has none)",
-      );
-      this.settle(entry, () => this.source.deadLetter(entry.message));
-      return;
-    }
-    const retryKey = entry.key ?? '';
-    const attempt = (this.retryCounts.get(retryKey) ?? 0) + 1;
-    this.retryCounts.set(retryKey, attempt);
-    const delay = backoffDelay(
-      attempt,
-      this.settings.requeueDelay.initialMs,
-      this.settings.requeueDelay.maxMs,
-    );
-    // Held, not returned to the source: RabbitMQ puts a returned message back at the head of the
-    // queue and delivers it again at once, so a return buys no time, and a quorum queue counts it
-    // toward its delivery limit, past which the broker drops the message. A message with an ID goes
-    // through claim → publish again after the backoff (it stays the leading copy of its ID; its
-    // claim was released); one without (no ID, unreadable, a loop) can never be forwarded and stays
-    // held until the route stops, when it is given back once, like every message held then.
-    const again = entry.key !== undefined;
-    this.perMessage.warn(
-      { ...named, reason: why, attempt, delayMs: delay },
-      again
-        ? 'message not forwarded; the bridge holds it unacked and retries it after a backoff'
-        : 'message not forwarded; the bridge holds it unacked until the route stops, then gives it back to the source queue',
-    );
-    this.retrying.add(entry);
-    const retry = (held: Entry) => {
-      if (!this.source.holds(held.message)) {
-        // Its channel is gone: the broker put it back in the queue, and delivers it again.
-        this.settle(held, () => false);
-      } else if (held.key === undefined) {
-        this.later(this.settings.requeueDelay.maxMs, [held], retry, (gone) => this.giveBack(gone));
-      } else {
-        this.counters.retried++;
-        this.enqueue(held);
-      }
-    };
-    this.later(delay, [entry], retry, (held) => this.giveBack(held));
   }
 
   /** Runs `then` for each entry after `ms`, or `onStop` at once when the pipeline stops. */
@@ -766,7 +519,7 @@ export class Pipeline {
   private settle(entry: Entry, respond: () => boolean): void {
     respond();
     this.held--;
-    this.retrying.delete(entry);
+    this.refusals.retrying.delete(entry);
     if (entry.leading && entry.key !== undefined) {
       entry.leading = false;
       const waiting = this.inFlight.get(entry.key) ?? [];
@@ -787,123 +540,7 @@ export class Pipeline {
 
   private progress(): void {
     this.lastProgressAt = Date.now();
-    this.failuresSinceProgress = 0;
-  }
-
-  private renewLeases(): void {
-    // While Redis is away a renewal waits; do not queue another behind it.
-    if (this.claimed.size === 0 || this.renewing) return;
-    const entries = [...this.claimed];
-    const keys = entries.map((entry) => entry.key as string);
-    this.renewing = true;
-    const askedAt = performance.now();
-    const { leaseMs } = this.settings;
-    this.cache
-      .renewEach(keys)
-      .then((renewed) => {
-        let lost = 0;
-        let lostOut = 0;
-        entries.forEach((entry, index) => {
-          // Settled meanwhile, or claimed anew after this renewal was asked for: not its answer.
-          if (!this.claimed.has(entry) || entry.claimedAt > askedAt) return;
-          // Its commit (on its way) deletes the claim: "no longer ours" may only mean committed.
-          if (!renewed[index] && entry.committing) return;
-          if (renewed[index]) {
-            entry.leaseUntil = Math.max(entry.leaseUntil, askedAt + leaseMs);
-            entry.writeBy = entry.leaseUntil - leaseMs * LEASE_WRITE_SHARE;
-            return;
-          }
-          // No longer ours (taken over after ours ran out, or released): never written again
-          // without a new claim. A publish already out may land beside the new owner's copy.
-          lost++;
-          if (entry.outstanding && entry.written) lostOut++;
-          entry.leaseUntil = 0;
-          entry.writeBy = 0;
-          // Not renewed again (each round would find it lost anew): a new claim adds it back.
-          this.claimed.delete(entry);
-        });
-        if (lost === 0) return;
-        this.counters.leaseLost += lost;
-        this.log.warn(
-          { lost, unconfirmed: lostOut },
-          'leases no longer ours (they ran out and another owner took the IDs over): not published again without a new claim',
-        );
-        if (lostOut > 0) this.resetTarget(`${lostOut} unconfirmed publish(es) lost their lease`);
-      })
-      .catch((error: unknown) => {
-        this.log.warn({ error: describe(error) }, 'lease renewal failed; will retry');
-      })
-      .finally(() => {
-        this.renewing = false;
-      });
-  }
-
-  /**
-   * Resets the target connection when a publish that is out and unconfirmed is about to outlive
-   * its lease (Redis renewed nothing for most of it): bytes still queued on this host are then
-   * dropped, not delivered after another owner took the ID over and sent its flagged copy.
-   */
-  private fenceWrites(): void {
-    const { leaseMs } = this.settings;
-    const resetAt = performance.now() + leaseMs * LEASE_RESET_SHARE;
-    let expiring = 0;
-    for (const entry of this.claimed) {
-      // Written, not just waiting for the connection or a trial ahead of it: only those bytes can
-      // sit in a buffer and land late.
-      if (entry.outstanding && entry.written && entry.leaseUntil < resetAt) expiring++;
-    }
-    if (expiring > 0) {
-      this.resetTarget(
-        `the leases of ${expiring} unconfirmed publish(es) run out and Redis has not renewed them`,
-      );
-    }
-  }
-
-  private resetTarget(reason: string): void {
-    this.counters.fenceResets++;
-    this.target.reset(reason);
-  }
-
-  /**
-   * Commits the keys with the next commit call. One call is out at a time: the batches confirmed
-   * meanwhile go together in the next, so a busy bridge makes one commit call for several batches.
-   */
-  private commitSoon(keys: string[]): Promise<CommitResult[]> {
-    return new Promise((resolve, reject) => {
-      this.commitQueue.push({ keys, resolve, reject });
-      if (!this.committing) void this.drainCommits();
-    });
-  }
-
-  private async drainCommits(): Promise<void> {
-    this.committing = true;
-    try {
-      while (this.commitQueue.length > 0) {
-        let count = 1;
-        let size = this.commitQueue[0]?.keys.length ?? 0;
-        for (const next of this.commitQueue.slice(1)) {
-          if (size + next.keys.length > MAX_COMMIT_IDS) break;
-          size += next.keys.length;
-          count++;
-        }
-        const group = this.commitQueue.splice(0, count);
-        try {
-          const results = await this.redis('commit', () =>
-            this.cache.commit(group.flatMap((item) => item.keys)),
-          );
-          this.noteCommits(results);
-          let at = 0;
-          for (const item of group) {
-            item.resolve(results.slice(at, at + item.keys.length));
-            at += item.keys.length;
-          }
-        } catch (error) {
-          for (const item of group) item.reject(error);
-        }
-      }
-    } finally {
-      this.committing = false;
-    }
+    this.refusals.sinceProgress = 0;
   }
 
   /**
@@ -934,73 +571,4 @@ export class Pipeline {
       );
     }
   }
-
-  /** Runs a cache call until it succeeds: a message never moves on without its claim or commit. */
-  private async redis<T>(what: string, call: () => Promise<T>): Promise<T> {
-    for (let attempt = 1; ; attempt++) {
-      if (this.abandoned) throw new Abandoned();
-      try {
-        const result = await call();
-        this.failingSince = undefined;
-        if (this.redisFailing) {
-          this.redisFailing = false;
-          this.log.info({ what }, 'Redis answers again');
-        }
-        return result;
-      } catch (error) {
-        // A cache layout this process cannot follow (see DedupCache): retrying cannot fix that.
-        if (error instanceof ConfigError) throw error;
-        // The Redis user lacks a command the bridge needs: retrying cannot fix that.
-        if (REDIS_NO_PERMISSION.test(describe(error))) {
-          throw new FatalConnectError(
-            `Redis refused the ${what} call (${describe(error)}); give the user the ACL that docs/security.md, Least privilege, lists`,
-          );
-        }
-        // A streak of failures is an outage from its first (see redisFailingSince).
-        this.failingSince ??= Date.now();
-        this.lastRedisError = describe(error).split('\n')[0];
-        // One line per outage, not one per batch in flight.
-        if (!this.redisFailing) {
-          this.redisFailing = true;
-          this.log.warn(
-            { what, error: describe(error) },
-            'Redis call failed; holding the messages unacked and retrying',
-          );
-        }
-        await sleep(backoffDelay(attempt, 100, 5000));
-      }
-    }
-  }
-}
-
-/**
- * The routes a message went through, from its `x-dedup-route` mark: an AMQP array of route names
- * (long strings), or one string holding a JSON array of them. Anything else there is no mark of ours.
- */
-function routeMarksOf(header: ContentHeader): string[] {
-  const span = header.field(ROUTE_HEADER);
-  if (!span) return [];
-  const value = header.valueOf(span);
-  if (value.type === 'A') {
-    return value.value.flatMap((item) => (item.type === 'S' ? [item.value.toString('utf8')] : []));
-  }
-  if (value.type !== 'S') return [];
-  try {
-    const marks: unknown = JSON.parse(value.value.toString('utf8'));
-    return Array.isArray(marks) ? marks.filter((mark): mark is string => typeof mark === 'string') : [];
-  } catch {
-    return [];
-  }
-}
-
-/**
- * The mark as an AMQP array of long strings. Not as one string holding JSON, though RabbitMQ spends
- * about 8 ms less per 1,000 publishes on that: a bridge before 2026-12-01 reads only the array, and
- * replaces any other value with its own array, so a loop through it, or through an older replica of
- * the same route during a rolling update, would be acked as duplicates. The string form is read, so
- * a later version can write it once no bridge that reads only the array is left.
- */
-function markField(marks: string[]): Buffer {
-  const value = marks.map((mark) => ({ type: 'S' as const, value: Buffer.from(mark, 'utf8') }));
-  return rawField(ROUTE_HEADER, encodeValue({ type: 'A', value }));
 }

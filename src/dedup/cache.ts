@@ -1,6 +1,7 @@
 import { hash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { type ChainableCommander, Cluster, type Redis } from 'ioredis';
+import { Coalescer } from '../coalesce.js';
 import { formatDuration } from '../config/duration.js';
 import { ConfigError } from '../errors.js';
 import type { ClaimState, Claims, CommitResult } from '../ports.js';
@@ -242,11 +243,6 @@ interface IdRecord {
 
 type Arg = string | number | Buffer;
 
-/** A shard's commits under --redis-wait-replicas, sent a group at a time (see commitDurably). */
-interface CommitLane {
-  waiting: { keys: string[]; resolve: (replies: unknown[]) => void; reject: (error: unknown) => void }[];
-  busy: boolean;
-}
 type ScriptCall = (numKeys: number, ...args: Arg[]) => Promise<unknown>;
 
 /**
@@ -276,8 +272,8 @@ export class DedupCache implements Claims {
    */
   private readonly behindShards = new Set<string>();
   private behindSince: number | undefined;
-  /** Per shard: commits waiting to go, and whether a group of them is out (see commitDurably). */
-  private readonly lanes = new Map<string, CommitLane>();
+  /** Per shard under --redis-wait-replicas: its commits, a group at a time (see commitDurably). */
+  private readonly lanes = new Map<string, Coalescer<unknown>>();
   /** Shards whose server has run the commit script sent whole, so that its SHA1 will do. */
   private readonly loadedOn = new Set<string>();
 
@@ -448,46 +444,10 @@ export class DedupCache implements Claims {
   private commitDurably(base: string, keys: string[]): Promise<unknown[]> {
     let lane = this.lanes.get(base);
     if (!lane) {
-      lane = { waiting: [], busy: false };
+      lane = new Coalescer(MAX_GROUP_IDS, (group) => this.commitReplicated(base, group));
       this.lanes.set(base, lane);
     }
-    const it = lane;
-    return new Promise((resolve, reject) => {
-      it.waiting.push({ keys, resolve, reject });
-      if (!it.busy) void this.drainLane(base, it);
-    });
-  }
-
-  private async drainLane(base: string, lane: CommitLane): Promise<void> {
-    lane.busy = true;
-    try {
-      while (lane.waiting.length > 0) {
-        // Up to the most IDs one batch may have (--batch-size), and at least one commit.
-        let count = 1;
-        let size = lane.waiting[0]?.keys.length ?? 0;
-        for (const item of lane.waiting.slice(1)) {
-          size += item.keys.length;
-          if (size > MAX_GROUP_IDS) break;
-          count++;
-        }
-        const group = lane.waiting.splice(0, count);
-        try {
-          const replies = await this.commitReplicated(
-            base,
-            group.flatMap((item) => item.keys),
-          );
-          let at = 0;
-          for (const item of group) {
-            item.resolve(replies.slice(at, at + item.keys.length));
-            at += item.keys.length;
-          }
-        } catch (error) {
-          for (const item of group) item.reject(error);
-        }
-      }
-    } finally {
-      lane.busy = false;
-    }
+    return lane.submit(keys);
   }
 
   /**
