@@ -7,6 +7,7 @@
  * (read losslessly by src/wire) and its body. An adapter of another protocol maps to and from that
  * form, as RabbitMQ itself does between its protocols.
  */
+import type { BridgeError } from './errors.js';
 import type { ContentHeader } from './wire/properties.js';
 
 /** One message as the source delivered it, until the pipeline settles it. */
@@ -119,4 +120,29 @@ export interface Claims {
   release(keys: readonly string[], options?: { keepInDoubt?: boolean }): Promise<number>;
   /** Extends our leases: true renewed, false no longer ours (committed, taken over, released). */
   renewEach(keys: readonly string[]): Promise<boolean[]>;
+}
+
+/**
+ * A target as the bridge runs it: the Target the pipeline publishes to, and its connection's life
+ * (connect, reconnect with backoff, close) and health. One adapter per target type.
+ */
+export interface TargetSide extends Target {
+  /** The server in use, for log lines and outage lines ("target broker at …", password hidden). */
+  readonly where: string;
+  /** Connects for the first time and checks the destination exists; rejects with the user's error. */
+  start(): Promise<void>;
+  /** Ends every wait and closes the connection. */
+  close(): Promise<void>;
+  readonly isUp: boolean;
+  /** When the connection went down; undefined while it is up. */
+  readonly downSince: number | undefined;
+  /** Since when the target has refused to take publishes (a resource alarm), and why. */
+  readonly blockedSince: { since: number; reason: string } | undefined;
+  /**
+   * Whether a publish here goes straight into `queue` of the broker `identity` names (as
+   * `<cluster>/<vhost>`, see AmqpLink.identity): a route from that queue would be a loop.
+   */
+  feeds(identity: string | undefined, queue: string): boolean;
+  /** Told of failures retrying cannot fix (no permission to write): the bridge stops. */
+  onFatal: (error: BridgeError) => void;
 }

@@ -197,10 +197,6 @@ export class TargetPublisher implements Target {
     return this.sizeLimit === undefined && size > this.provenSize * UNTRIED_GROWTH;
   }
 
-  get isBlocked(): boolean {
-    return this.blocked;
-  }
-
   /** Since when the target has blocked publishing, and the broker's reason ("low on memory"). */
   get blockedSince(): { since: number; reason: string } | undefined {
     return this.blockedAt;

@@ -1,7 +1,7 @@
 import { InFlightBytes } from '../amqp/in-flight-bytes.js';
 import { AmqpLink } from '../amqp/link.js';
+import { QueueTarget } from '../amqp/queue-target.js';
 import { SourceQueue } from '../amqp/source.js';
-import { TargetPublisher } from '../amqp/target.js';
 import { sleep } from '../backoff.js';
 import { redactUrl } from '../config/redact.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
@@ -17,6 +17,7 @@ import {
 } from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../log.js';
+import type { TargetSide } from '../ports.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
@@ -109,7 +110,6 @@ export async function startBridge(
 ): Promise<Bridge> {
   const routeLog = log.child({ route: settings.route });
   const sourceWhere = `source broker at ${redactUrl(settings.sourceUrl)}`;
-  const targetWhere = `target broker at ${redactUrl(settings.targetUrl)}`;
   // No more deliveries than --max-messages lets this run take: one past it is returned, and a
   // quorum queue counts that return toward its delivery limit.
   const prefetch = Math.max(1, Math.min(settings.prefetch, limits.budget?.remaining ?? settings.prefetch));
@@ -122,11 +122,16 @@ export async function startBridge(
     new InFlightBytes(settings.maxInFlightBytes),
   );
   source.deliveryLimit = settings.sourceDeliveryLimit;
-  const target = new TargetPublisher(
-    settings.targetExchange,
-    settings.targetRoutingKey,
-    settings.targetQueue,
-    targetWhere,
+  const target: TargetSide = new QueueTarget(
+    {
+      urls: settings.targetUrls,
+      exchange: settings.targetExchange,
+      routingKey: settings.targetRoutingKey,
+      queue: settings.targetQueue,
+      retryForMs: settings.retryForMs,
+      tls: settings.tls.target,
+      stop: limits.stop,
+    },
     routeLog,
   );
   const sourceLink = new AmqpLink(
@@ -141,20 +146,7 @@ export async function startBridge(
     (connection) => source.attach(connection),
     () => source.detach(),
   );
-  const targetLink = new AmqpLink(
-    settings.targetUrls,
-    {
-      side: 'target',
-      retryForMs: settings.retryForMs,
-      log: routeLog,
-      tls: settings.tls.target,
-      stop: limits.stop,
-    },
-    (connection) => target.attach(connection),
-    () => target.detach(),
-  );
   source.onBroken = (reason) => sourceLink.reset(reason);
-  target.onBroken = (reason) => targetLink.reset(reason);
 
   const budget = limits.budget ?? new MessageBudget(undefined);
   let redis: RedisClient | undefined;
@@ -166,8 +158,7 @@ export async function startBridge(
     // every ack on it. A connection closed at once could leave acks buffered on the channel behind
     // the close, and those messages would come back as duplicates to the next run.
     await Promise.race([source.closeConsumer(), sleep(CLOSE_CONSUMER_MS)]);
-    target.close();
-    await Promise.allSettled([sourceLink.close(), targetLink.close()]);
+    await Promise.allSettled([sourceLink.close(), target.close()]);
     redis?.disconnect();
     commitRedis?.disconnect();
   };
@@ -223,15 +214,11 @@ export async function startBridge(
     // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
     // (no more than --max-messages lets this run take).
     cache.expectedIds = Math.min((await source.depth()) ?? 0, budget.remaining);
-    await targetLink.start();
+    await target.start();
     // The same cluster is the same broker, whichever of its nodes or URLs each side named.
-    if (
-      settings.targetExchange === '' &&
-      settings.targetRoutingKey === settings.sourceQueue &&
-      sourceLink.identity === targetLink.identity
-    ) {
+    if (target.feeds(sourceLink.identity, settings.sourceQueue)) {
       throw new ConfigError(
-        loopMessage(settings.sourceQueue, targetLink.where.replace(/^target broker at /, '')),
+        loopMessage(settings.sourceQueue, target.where.replace(/^target broker at /, '')),
       );
     }
   } catch (error) {
@@ -276,7 +263,6 @@ export async function startBridge(
     reportFailure = resolve;
   });
   sourceLink.onFatal = reportFailure;
-  targetLink.onFatal = reportFailure;
   source.onFatal = reportFailure;
   target.onFatal = reportFailure;
   try {
@@ -313,7 +299,7 @@ export async function startBridge(
       const now = Date.now();
       const down: [Omit<Outage, 'ms'>, number | undefined][] = [
         [{ what: sourceLink.where, how: 'unreachable' }, sourceLink.downSince],
-        [{ what: targetLink.where, how: 'unreachable' }, targetLink.downSince],
+        [{ what: target.where, how: 'unreachable' }, target.downSince],
         [{ what: redisLabel, how: 'unreachable' }, redisDownSince],
         // Commits wait for replicas that are not there: an outage of what --redis-wait-replicas asks.
         [
@@ -335,7 +321,7 @@ export async function startBridge(
       if (blocked) {
         down.push([
           {
-            what: targetLink.where,
+            what: target.where,
             how: 'blocked publishing',
             reason: `resource alarm: ${blocked.reason}`,
             advice:
@@ -352,10 +338,10 @@ export async function startBridge(
     },
     status: () => ({
       source: sourceLink.isUp,
-      target: targetLink.isUp,
+      target: target.isUp,
       redis: connectedRedis.status === 'ready',
       ...source.consumption(),
-      targetBlocked: target.isBlocked,
+      targetBlocked: target.blockedSince !== undefined,
     }),
     stop: (timeoutMs: number) => pipeline.stop(timeoutMs),
     close: closeAll,
