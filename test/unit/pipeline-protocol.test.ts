@@ -14,6 +14,11 @@ import { ClaimStore, FakeClaims, FakeSource, FakeTarget, message, Timeline, type
 // the fake Redis reads too: nothing here waits on the wall clock. setImmediate stays real: it
 // orders turns of the event loop, not time (and a fake one set inside a timer would run 1 ms late,
 // as @sinonjs/fake-timers schedules a 0 ms timer made during a tick).
+//
+// No broker and no Redis are needed, but vitest.config.ts's globalSetup starts the harness's own
+// servers unless all three URLs are set; any values will do, nothing connects to them:
+//   SOURCE_URL=amqp://unused TARGET_URL=amqp://unused REDIS_URL=redis://unused \
+//     npx vitest run test/unit/pipeline-protocol.test.ts
 
 const LEASE_MS = 3000; // renewals every 1000 ms, the fence check every 300 ms, writeBy 2000 ms in
 const WINDOW_MS = 60_000;
