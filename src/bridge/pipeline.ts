@@ -378,7 +378,11 @@ export class Pipeline {
       this.later(
         BUSY_RECHECK_MS,
         busy,
-        (entry) => this.enqueue(entry),
+        (entry) => {
+          // Its channel is gone: the broker put it back in the queue, and delivers it again.
+          if (!this.source.holds(entry.message)) this.settle(entry, () => false);
+          else this.enqueue(entry);
+        },
         (entry) => this.giveBack(entry),
       );
     }
@@ -412,9 +416,10 @@ export class Pipeline {
       entries
         .filter((entry) => (entry.state === 'in-doubt' || maybeStored.has(entry)) === inDoubt)
         .map((entry) => entry.key as string);
+    // Not renewed from here on: a renewal between the releases would find these no longer ours.
+    for (const entry of entries) this.leases.drop(entry);
     await this.calls.run('release', () => this.cache.release(keysOf(false)));
     await this.calls.run('release', () => this.cache.release(keysOf(true), { keepInDoubt: true }));
-    for (const entry of entries) this.leases.drop(entry);
     await Promise.all(refused.map(([entry, why, detail]) => this.refusals.refuse(entry, why, detail)));
   }
 

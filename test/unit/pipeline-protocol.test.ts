@@ -27,11 +27,7 @@ const BUSY_RECHECK_MS = 250;
 
 function routeSettings(overrides: Partial<RouteSettings>): RouteSettings {
   return {
-    name: 'unit',
-    sourceQueue: 'orders',
     targetUser: 'bridge',
-    scope: 'queue:target',
-    redisPrefix: 'dd',
     idFrom: parseIdFrom(DEFAULT_ID_FROM),
     batchSize: 10,
     leaseMs: LEASE_MS,
@@ -562,17 +558,13 @@ describe('two copies of one ID delivered at once', () => {
   });
 });
 
-// Bugs in src/bridge/pipeline.ts these tests found. Each test asserts the right behaviour and is
-// marked it.fails while the bug is there: once it is fixed the test passes, vitest reports the
-// it.fails as failed, and `.fails` is to be removed.
-describe('found while writing these tests (it.fails until fixed)', () => {
-  // BUG: the busy recheck (forward → later(BUSY_RECHECK_MS, busy, enqueue, giveBack)) never asks
-  // source.holds(), unlike the refused-message retry. A busy message whose delivery the source
-  // took back stays held and is claimed again every 250 ms for as long as the other owner holds the
-  // ID; bridge.ts consumes again after a source reconnect only on pipeline.whenIdle(), so the route
-  // takes nothing meanwhile. When the other owner gives the ID up, the pipeline forwards and
-  // commits a message it no longer holds (no duplicate: the broker's redelivery is then a 'dup').
-  it.fails('a busy message the source took back (its connection dropped) is let go at its next recheck', async () => {
+// Two defects these tests found in the pipeline, fixed since: each test keeps them fixed.
+describe('defects found by these tests', () => {
+  // The busy recheck did not ask source.holds(), unlike the refused-message retry: a busy message
+  // whose delivery the source took back stayed held and was claimed again every 250 ms for as long
+  // as the other owner held the ID, and bridge.ts consumes again after a source reconnect only on
+  // pipeline.whenIdle(), so the route took nothing meanwhile.
+  it('a busy message the source took back (its connection dropped) is let go at its next recheck', async () => {
     const h = await start();
     const key = h.claims.keyOf('k-1');
     await h.other.claim([key]);
@@ -597,12 +589,10 @@ describe('found while writing these tests (it.fails until fixed)', () => {
     expect(h.source.settlements).toEqual([]);
   });
 
-  // BUG: forward() deletes refused entries from `claimed` only after both release calls answered,
-  // and renewLeases() counts a false answer for an entry still in `claimed` (and not committing) as
-  // a lost lease. A renewal that ran after the first release and is answered before the second
-  // counts the released ID as lost: dedup_bridge_lease_lost_total goes up and the warning says
-  // another owner took it over, though nobody did. (No protocol effect: the retry claims anew.)
-  it.fails('a renewal that crosses the release of refused messages is not counted as a lost lease', async () => {
+  // Refused entries left the leases renewed only after both release calls answered, so a renewal
+  // between them counted a released ID as a lost lease: dedup_bridge_lease_lost_total went up and
+  // the warning said another owner took it over, though nobody did.
+  it('a renewal that crosses the release of refused messages is not counted as a lost lease', async () => {
     const h = await start();
     h.target.script = firstAnswers({ 'q-1': 'unroutable', 'q-2': 'rejected' });
     // One Redis connection: what is sent first runs first, and its reply comes first. The release
