@@ -19,7 +19,7 @@ export function shortstr(value: string | Uint8Array): Buffer {
 }
 
 /** A long string: a 4-byte big-endian length and the bytes (a string is taken as UTF-8). No tag. */
-export function longstr(value: string | Uint8Array): Buffer {
+function longstr(value: string | Uint8Array): Buffer {
   const bytes = toBytes(value);
   const length = Buffer.alloc(4);
   length.writeUInt32BE(bytes.length, 0);
