@@ -5,6 +5,7 @@ import amqp, { type ChannelModel, type ConfirmChannel, type GetMessage, type Opt
 import { expect, inject } from 'vitest';
 import { connectAmqp, vhostOf } from '../src/amqp/connect.js';
 import { clusterNameOf } from '../src/amqp/internals.js';
+import { contentHeaderOf } from '../src/amqp/properties.js';
 import { parseDuration } from '../src/config/duration.js';
 import { DEFAULTS } from '../src/config/settings.js';
 import { sliceLengthFor } from '../src/dedup/cache.js';
@@ -108,6 +109,38 @@ export async function takeAll(url: string, queue: string): Promise<GetMessage[]>
     }
   } finally {
     await broker.close();
+  }
+  return out;
+}
+
+/**
+ * Takes every message from a queue with its content header exactly as the broker delivered it
+ * (read through the bridge's own connection, which keeps the raw header), and its dedup header as
+ * text.
+ */
+export async function takeRaw(
+  url: string,
+  queue: string,
+): Promise<{ id: string; header: Buffer; body: Buffer }[]> {
+  const connection = await connectAmqp(url, {
+    side: 'target',
+    retryForMs: 5000,
+    log: createLogger('silent'),
+  });
+  const out: { id: string; header: Buffer; body: Buffer }[] = [];
+  try {
+    const channel = await connection.createChannel();
+    for (;;) {
+      const message = await channel.get(queue, { noAck: true });
+      if (message === false) break;
+      out.push({
+        id: String(message.properties.headers?._HQ_DUPL_ID),
+        header: Buffer.from(contentHeaderOf(message.properties).bytes),
+        body: message.content,
+      });
+    }
+  } finally {
+    await connection.close();
   }
   return out;
 }
