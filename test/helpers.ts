@@ -97,6 +97,21 @@ export async function publishAll(url: string, queue: string, messages: OutgoingM
   }
 }
 
+/** A message per ID, with the ID in the dedup header (`_HQ_DUPL_ID`) and as its body. */
+export function withIds(ids: readonly string[]): OutgoingMessage[] {
+  return ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } }));
+}
+
+/** `count` messages with IDs `<prefix>-<n>` (n from `from` on), as `withIds` makes them. */
+export function numbered(
+  prefix: string,
+  count: number,
+  from = 0,
+): { ids: string[]; messages: OutgoingMessage[] } {
+  const ids = Array.from({ length: count }, (_, i) => `${prefix}-${from + i}`);
+  return { ids, messages: withIds(ids) };
+}
+
 /** Takes every message from a queue (basic.get until empty) and acks them. */
 export async function takeAll(url: string, queue: string): Promise<GetMessage[]> {
   const broker = await openBroker(url);
@@ -226,6 +241,22 @@ export function countDelivery(
 export function idText(value: unknown): string {
   if (Buffer.isBuffer(value)) return `bytes:${value.toString('hex')}`;
   return String(value);
+}
+
+/** The dedup header (`_HQ_DUPL_ID`) of each message, as text (`idText`). */
+export function idsOf(messages: readonly { properties: { headers?: Record<string, unknown> } }[]): string[] {
+  return messages.map((message) => idText(message.properties.headers?._HQ_DUPL_ID));
+}
+
+/** Takes every message from a queue and counts it against `expected` by its dedup header. */
+export async function delivered(
+  label: string,
+  url: string,
+  queue: string,
+  expected: Iterable<string>,
+): Promise<{ messages: GetMessage[]; count: DeliveryCount }> {
+  const messages = await takeAll(url, queue);
+  return { messages, count: countDelivery(label, expected, idsOf(messages)) };
 }
 
 /** `dedup-bridge migrate` between the harness's brokers, with a short idle timeout. */
