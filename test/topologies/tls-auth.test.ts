@@ -7,16 +7,16 @@ import { SecureClusterSet, SecureSentinelSet } from '../harness/redis-secure.js'
 import { SENTINEL_MASTER } from '../harness/redis-topologies.js';
 import { makeCertificates, type TestCertificates } from '../harness/tls.js';
 import {
-  countDelivery,
+  delivered,
   depthOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   publishAll,
   queuePair,
   runCli,
-  takeAll,
 } from '../helpers.js';
-import { numbered, onRedis } from './topo-helpers.js';
+import { onRedis } from './topo-helpers.js';
 
 // Sentinel and Cluster over TLS, with passwords: the master's (with a / in it, which the URL
 // takes unencoded) and the sentinels' own. Each forwards end to end, counted on the target.
@@ -75,8 +75,7 @@ describe('Redis Sentinel over TLS, with a master password and a sentinel passwor
     expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: 300, duplicates: 0 });
     expect(await depthOf(sourceUrl, source)).toBe(0);
-    const received = (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID));
-    expect(countDelivery('sentinel over TLS', ids, received)).toMatchObject({
+    expect((await delivered('sentinel over TLS', targetUrl, target, ids)).count).toMatchObject({
       lost: 0,
       duplicated: 0,
       unexpected: 0,
@@ -159,8 +158,7 @@ describe('Redis Cluster over TLS, with a password', () => {
     expect(run.code, run.stderr).toBe(0);
     expect(run.report).toMatchObject({ forwarded: 500, duplicates: 0 });
     expect(await depthOf(sourceUrl, source)).toBe(0);
-    const received = (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID));
-    expect(countDelivery('cluster over TLS', ids, received)).toMatchObject({
+    expect((await delivered('cluster over TLS', targetUrl, target, ids)).count).toMatchObject({
       lost: 0,
       duplicated: 0,
       unexpected: 0,
