@@ -294,6 +294,28 @@ export async function migrateWithReport(
   return { ...result, report };
 }
 
+/** The lines of a command's output, without the empty one after the last newline. */
+export function lines(text: string): string[] {
+  return text.split('\n').filter((line) => line.length > 0);
+}
+
+/** Fails if the output holds any piece of any of these secrets (a password cut in two shows). */
+export function expectNoSecret(output: string, secrets: readonly { pieces: readonly string[] }[]): void {
+  for (const secret of secrets) {
+    for (const piece of secret.pieces) expect(output, `"${piece}" printed`).not.toContain(piece);
+  }
+}
+
+/** What `fn` throws; fails if it returns. */
+export function catchError(fn: () => unknown): unknown {
+  try {
+    fn();
+  } catch (error) {
+    return error;
+  }
+  throw new Error('expected the function to throw');
+}
+
 export interface RunningCli {
   pid: number;
   /** Resolves with the exit code and output once the process ends. */

@@ -11,6 +11,11 @@
  *   const properties = basicProperties({ messageId: 'm-1', headers });
  */
 
+/** Bytes written in hex, with white space anywhere for reading (`hex('0102 0304')`). */
+export function hex(text: string): Buffer {
+  return Buffer.from(text.replace(/\s+/g, ''), 'hex');
+}
+
 /** A short string: one length octet and up to 255 bytes (a string is taken as UTF-8). */
 export function shortstr(value: string | Uint8Array): Buffer {
   const bytes = toBytes(value);

@@ -8,6 +8,7 @@ import {
   DEFAULT_SLICE_MS,
   declareQueue,
   depthOf,
+  lines,
   migrateArgs,
   migrateWithReport,
   publishAll,
@@ -39,11 +40,6 @@ async function publishTyped(url: string, queue: string, messages: { body: string
   } finally {
     await connection.close();
   }
-}
-
-/** The lines a command printed, without the empty one after the last newline. */
-function lines(text: string): string[] {
-  return text.split('\n').filter((line) => line.length > 0);
 }
 
 describe('cache tools and start-up safety checks', () => {

@@ -6,6 +6,7 @@ import { freePort } from '../harness/servers.js';
 import {
   declareQueue,
   depthOf,
+  lines,
   migrateArgs,
   migrateWithReport,
   numbered,
@@ -32,11 +33,6 @@ type Row = Record<string, unknown> & {
 type Report = Row & { outcome: string; exitCode: number; problem: string | null; queues: Row[] };
 
 const handled = (row: Row) => row.forwarded + row.duplicates + row.parked + row.deadLettered;
-
-/** The lines a command printed, without the empty one after the last newline. */
-function lines(text: string): string[] {
-  return text.split('\n').filter((line) => line.length > 0);
-}
 
 /** A report path in a fresh folder, and a reader for it (undefined when none was written). */
 function reportFile(): { path: string; read(): Report | undefined } {

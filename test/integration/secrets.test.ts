@@ -7,6 +7,7 @@ import { newRunDir, RedisServer } from '../harness/servers.js';
 import {
   declareQueue,
   depthOf,
+  expectNoSecret,
   numbered,
   publishAll,
   runCli,
@@ -31,12 +32,6 @@ function newSecret(): Secret {
   const pieces = Array.from({ length: 5 }, () => randomBytes(4).toString('hex'));
   const [a, b, c, d, e] = pieces;
   return { text: `${a}?${b}#${c}@${d}/${e}`, pieces };
-}
-
-function expectNoSecret(output: string, secrets: Secret[]): void {
-  for (const secret of secrets) {
-    for (const piece of secret.pieces) expect(output, `"${piece}" printed`).not.toContain(piece);
-  }
 }
 
 const MESSAGES = 20;
