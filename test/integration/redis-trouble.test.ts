@@ -8,16 +8,19 @@ import {
   countDelivery,
   depthOf,
   idsOf,
+  migrateArgs,
   migrateWithReport,
   numbered,
   publishAll,
   queuePair,
+  runArgs,
   runCli,
   servers,
   startCli,
   takeAll,
   waitFor,
   withIds,
+  withOption,
 } from '../helpers.js';
 
 // Issue 34.4 and 34.5: a Redis that answers but refuses (full: OOM under noeviction) and a Redis
@@ -52,24 +55,9 @@ async function unfill(): Promise<void> {
   await admin.config('SET', 'maxmemory', '0');
 }
 
+/** `dedup-bridge migrate` between the harness's brokers, with this file's own Redis. */
 function migrateArgsTo(source: string, target: string, ...extra: string[]): string[] {
-  const { sourceUrl, targetUrl } = servers();
-  return [
-    'migrate',
-    '--source',
-    sourceUrl,
-    '--source-queue',
-    source,
-    '--target',
-    targetUrl,
-    '--target-queue',
-    target,
-    '--redis',
-    redis.url,
-    '--idle-timeout',
-    '300ms',
-    ...extra,
-  ];
+  return withOption(migrateArgs(source, ['--target-queue', target], ...extra), '--redis', redis.url);
 }
 
 /** The lines the CLI wrote on stderr for itself (not the report's table). */
@@ -107,21 +95,9 @@ describe('a full Redis (OOM under noeviction)', () => {
     await publishAll(sourceUrl, source, numbered(source, 5).messages);
     await fill();
     try {
-      const result = await runCli([
-        'run',
-        '--source',
-        sourceUrl,
-        '--source-queue',
-        source,
-        '--target',
-        targetUrl,
-        '--target-queue',
-        target,
-        '--redis',
-        redis.url,
-        '--retry-for',
-        '2s',
-      ]);
+      const result = await runCli(
+        withOption(runArgs(source, ['--target-queue', target], '--retry-for', '2s'), '--redis', redis.url),
+      );
       process.stdout.write(`oom at start (run): exit ${result.code}\n`);
       expect(result.code).toBe(1);
       expect(result.stderr).not.toMatch(/internal error|ReplyError|\n\s+at /);
@@ -195,12 +171,9 @@ describe('a full Redis under run', () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const first = numbered(`${source}-a`, 50);
     const second = numbered(`${source}-b`, 50);
-    // migrate's arguments for this Redis, without --idle-timeout, which run does not have. A stop
-    // lets in-flight work finish for --shutdown-timeout (30 s): a claim Redis refuses cannot.
-    const args = migrateArgsTo(source, target, '--retry-for', '2s', '--shutdown-timeout', '1s').filter(
-      (_, i, all) => !(all[i] === '--idle-timeout' || all[i - 1] === '--idle-timeout'),
-    );
-    const bridge = startCli(['run', ...args.slice(1)]);
+    // A stop lets in-flight work finish for --shutdown-timeout (30 s): a claim Redis refuses cannot.
+    const args = runArgs(source, ['--target-queue', target], '--retry-for', '2s', '--shutdown-timeout', '1s');
+    const bridge = startCli(withOption(args, '--redis', redis.url));
     let ended = false;
     void bridge.done.then(() => {
       ended = true;
