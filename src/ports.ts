@@ -71,7 +71,7 @@ export interface Publish {
  * Why a target refused a message. 'rejected' may leave a copy stored (published to several
  * queues, one refused it and another stored it), so its ID stays in doubt; the others store none.
  */
-export type Refusal =
+type Refusal =
   | 'unroutable' // nothing was bound to take it
   | 'rejected' // refused (a queue over its length limit, say)
   | 'too-large' // over the target's size limit

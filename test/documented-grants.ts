@@ -60,7 +60,7 @@ export function forTest(
 }
 
 /** What a least-privilege user must be refused; each is tried, and none may get through. */
-export const MUST_BE_REFUSED: readonly (readonly string[])[] = [
+const MUST_BE_REFUSED: readonly (readonly string[])[] = [
   ['FUNCTION', 'LOAD', "#!lua name=intruder\nredis.register_function('f', function() return 1 end)"],
   ['FUNCTION', 'FLUSH'],
   ['SCAN', '0'],

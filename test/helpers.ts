@@ -10,6 +10,7 @@ import { DEFAULTS } from '../src/config/settings.js';
 import { sliceLengthFor } from '../src/dedup/cache.js';
 import { connectRedis } from '../src/dedup/redis.js';
 import { createLogger } from '../src/observe/log.js';
+import { contentHeaderOf } from '../src/wire/properties.js';
 import { array, field, longString } from './wire.js';
 
 export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
@@ -96,6 +97,21 @@ export async function publishAll(url: string, queue: string, messages: OutgoingM
   }
 }
 
+/** A message per ID, with the ID in the dedup header (`_HQ_DUPL_ID`) and as its body. */
+export function withIds(ids: readonly string[]): OutgoingMessage[] {
+  return ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } }));
+}
+
+/** `count` messages with IDs `<prefix>-<n>` (n from `from` on), as `withIds` makes them. */
+export function numbered(
+  prefix: string,
+  count: number,
+  from = 0,
+): { ids: string[]; messages: OutgoingMessage[] } {
+  const ids = Array.from({ length: count }, (_, i) => `${prefix}-${from + i}`);
+  return { ids, messages: withIds(ids) };
+}
+
 /** Takes every message from a queue (basic.get until empty) and acks them. */
 export async function takeAll(url: string, queue: string): Promise<GetMessage[]> {
   const broker = await openBroker(url);
@@ -108,6 +124,38 @@ export async function takeAll(url: string, queue: string): Promise<GetMessage[]>
     }
   } finally {
     await broker.close();
+  }
+  return out;
+}
+
+/**
+ * Takes every message from a queue with its content header exactly as the broker delivered it
+ * (read through the bridge's own connection, which keeps the raw header), and its dedup header as
+ * text.
+ */
+export async function takeRaw(
+  url: string,
+  queue: string,
+): Promise<{ id: string; header: Buffer; body: Buffer }[]> {
+  const connection = await connectAmqp(url, {
+    side: 'target',
+    retryForMs: 5000,
+    log: createLogger('silent'),
+  });
+  const out: { id: string; header: Buffer; body: Buffer }[] = [];
+  try {
+    const channel = await connection.createChannel();
+    for (;;) {
+      const message = await channel.get(queue, { noAck: true });
+      if (message === false) break;
+      out.push({
+        id: String(message.properties.headers?._HQ_DUPL_ID),
+        header: Buffer.from(contentHeaderOf(message.properties).bytes),
+        body: message.content,
+      });
+    }
+  } finally {
+    await connection.close();
   }
   return out;
 }
@@ -195,6 +243,22 @@ export function idText(value: unknown): string {
   return String(value);
 }
 
+/** The dedup header (`_HQ_DUPL_ID`) of each message, as text (`idText`). */
+export function idsOf(messages: readonly { properties: { headers?: Record<string, unknown> } }[]): string[] {
+  return messages.map((message) => idText(message.properties.headers?._HQ_DUPL_ID));
+}
+
+/** Takes every message from a queue and counts it against `expected` by its dedup header. */
+export async function delivered(
+  label: string,
+  url: string,
+  queue: string,
+  expected: Iterable<string>,
+): Promise<{ messages: GetMessage[]; count: DeliveryCount }> {
+  const messages = await takeAll(url, queue);
+  return { messages, count: countDelivery(label, expected, idsOf(messages)) };
+}
+
 /** `dedup-bridge migrate` between the harness's brokers, with a short idle timeout. */
 export function migrateArgs(sourceQueue: string, target: string[], ...extra: string[]): string[] {
   const { sourceUrl, targetUrl, redisUrl } = servers();
@@ -228,6 +292,28 @@ export async function migrateWithReport(
     ? (JSON.parse(readFileSync(path, 'utf8')) as Record<string, unknown>)
     : undefined;
   return { ...result, report };
+}
+
+/** The lines of a command's output, without the empty one after the last newline. */
+export function lines(text: string): string[] {
+  return text.split('\n').filter((line) => line.length > 0);
+}
+
+/** Fails if the output holds any piece of any of these secrets (a password cut in two shows). */
+export function expectNoSecret(output: string, secrets: readonly { pieces: readonly string[] }[]): void {
+  for (const secret of secrets) {
+    for (const piece of secret.pieces) expect(output, `"${piece}" printed`).not.toContain(piece);
+  }
+}
+
+/** What `fn` throws; fails if it returns. */
+export function catchError(fn: () => unknown): unknown {
+  try {
+    fn();
+  } catch (error) {
+    return error;
+  }
+  throw new Error('expected the function to throw');
 }
 
 export interface RunningCli {

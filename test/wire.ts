@@ -1,6 +1,6 @@
 /**
  * Bytes for tests, built by hand: AMQP 0-9-1 field tables as RabbitMQ writes them, basic content
- * header properties and frames. Nothing here uses the bridge's own codec (src/amqp/fields.ts) or a
+ * header properties and frames. Nothing here uses the bridge's own codec (src/wire/fields.ts) or a
  * client library, so a test can hold the code under test to bytes no Node client wrote.
  *
  * A typed value builder returns the value as it stands in a table or an array: its type tag, then
@@ -11,6 +11,11 @@
  *   const properties = basicProperties({ messageId: 'm-1', headers });
  */
 
+/** Bytes written in hex, with white space anywhere for reading (`hex('0102 0304')`). */
+export function hex(text: string): Buffer {
+  return Buffer.from(text.replace(/\s+/g, ''), 'hex');
+}
+
 /** A short string: one length octet and up to 255 bytes (a string is taken as UTF-8). */
 export function shortstr(value: string | Uint8Array): Buffer {
   const bytes = toBytes(value);
@@ -19,7 +24,7 @@ export function shortstr(value: string | Uint8Array): Buffer {
 }
 
 /** A long string: a 4-byte big-endian length and the bytes (a string is taken as UTF-8). No tag. */
-export function longstr(value: string | Uint8Array): Buffer {
+function longstr(value: string | Uint8Array): Buffer {
   const bytes = toBytes(value);
   const length = Buffer.alloc(4);
   length.writeUInt32BE(bytes.length, 0);

@@ -52,7 +52,7 @@ export interface ObserveServer extends RouteWatch {
  * Why the process is not ready; empty when every route is connected and consuming as the broker
  * sees it (or has paused its consumer at the byte bound).
  */
-export function notReady(routes: readonly Bridge[]): string[] {
+function notReady(routes: readonly Bridge[]): string[] {
   if (routes.length === 0) return ['no route is running'];
   const down: string[] = [];
   for (const bridge of routes) {

@@ -2,7 +2,7 @@ import { rmSync } from 'node:fs';
 import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from './servers.js';
 
 /** Where the tests find their servers, and whether the harness owns them (may stop and kill them). */
-export interface HarnessUrls {
+interface HarnessUrls {
   sourceUrl: string;
   targetUrl: string;
   redisUrl: string;

@@ -14,11 +14,11 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 
 /** Every server this harness starts lives under here, one folder per run. */
-export const HARNESS_ROOT = join(tmpdir(), 'dedup-bridge-harness');
+const HARNESS_ROOT = join(tmpdir(), 'dedup-bridge-harness');
 
 const RABBIT_BIN = '/usr/lib/rabbitmq/bin';
 
-export function commandExists(command: string): boolean {
+function commandExists(command: string): boolean {
   return spawnSync('sh', ['-c', `command -v ${command}`], { stdio: 'ignore' }).status === 0;
 }
 

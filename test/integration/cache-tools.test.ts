@@ -8,6 +8,7 @@ import {
   DEFAULT_SLICE_MS,
   declareQueue,
   depthOf,
+  lines,
   migrateArgs,
   migrateWithReport,
   publishAll,
@@ -15,6 +16,7 @@ import {
   servers,
   takeAll,
   uniqueName,
+  withIds,
 } from '../helpers.js';
 import { basicProperties, bytes, field, int32, int64, longString, table } from '../wire.js';
 
@@ -40,11 +42,6 @@ async function publishTyped(url: string, queue: string, messages: { body: string
   }
 }
 
-/** The lines a command printed, without the empty one after the last newline. */
-function lines(text: string): string[] {
-  return text.split('\n').filter((line) => line.length > 0);
-}
-
 describe('cache tools and start-up safety checks', () => {
   it('inspect shows committed IDs, cache stats counts them, cache forget lets one through again', async () => {
     const { sourceUrl, targetUrl, redisUrl } = servers();
@@ -52,10 +49,7 @@ describe('cache tools and start-up safety checks', () => {
     const target = uniqueName('tools-dst');
     await declareQueue(sourceUrl, source);
     await declareQueue(targetUrl, target);
-    const batch = ['alpha', 'beta', 'gamma'].map((id) => ({
-      body: id,
-      options: { headers: { _HQ_DUPL_ID: id } },
-    }));
+    const batch = withIds(['alpha', 'beta', 'gamma']);
     await publishAll(sourceUrl, source, batch);
     // The expiry asserted below counts on the IDs' slice not ending before inspect reads them.
     await clearOfSliceEnd(redisUrl);
@@ -259,8 +253,7 @@ describe('cache tools and start-up safety checks', () => {
     const prefix = uniqueName('pfx');
     await declareQueue(sourceUrl, source);
     await declareQueue(targetUrl, target);
-    const message = (id: string) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } });
-    await publishAll(sourceUrl, source, ['a', 'b', 'c'].map(message));
+    await publishAll(sourceUrl, source, withIds(['a', 'b', 'c']));
     const migrate = migrateArgs(source, ['--target-queue', target], '--redis-prefix', prefix);
     // The trial: a one-minute window lays the scope out in slices of one minute.
     const trial = await migrateWithReport([...migrate, '--dedup-window', '1m']);
@@ -269,7 +262,7 @@ describe('cache tools and start-up safety checks', () => {
     const scope = `queue:${target}`;
 
     // Production with the default 7d window: refused while the trial's IDs live, naming the remedy.
-    await publishAll(sourceUrl, source, ['c', 'd', 'e'].map(message));
+    await publishAll(sourceUrl, source, withIds(['c', 'd', 'e']));
     const refused = await runCli([...migrate, '--quiet']);
     expect(refused.code).toBe(2);
     expect(lines(refused.stderr)).toHaveLength(1);

@@ -2,7 +2,6 @@ import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
 import { createLogger } from '../../src/observe/log.js';
-import { contentHeaderOf } from '../../src/wire/properties.js';
 import {
   countDelivery,
   declareQueue,
@@ -12,6 +11,7 @@ import {
   routeMarkOf,
   runCli,
   servers,
+  takeRaw,
   uniqueName,
 } from '../helpers.js';
 import { array, basicProperties, field, int16, int32, longString, table } from '../wire.js';
@@ -72,23 +72,6 @@ async function publish(url: string, queue: string, sent: ReturnType<typeof messa
   } finally {
     await connection.close();
   }
-}
-
-async function takeRaw(url: string, queue: string) {
-  const connection = await connectAmqp(url, { side: 'target', retryForMs: 5000, log });
-  const out: { id: string; header: Buffer; body: Buffer }[] = [];
-  try {
-    const channel = await connection.createChannel();
-    for (;;) {
-      const message = await channel.get(queue, { noAck: true });
-      if (message === false) break;
-      const id = String(message.properties.headers?._HQ_DUPL_ID);
-      out.push({ id, header: contentHeaderOf(message.properties).bytes, body: message.content });
-    }
-  } finally {
-    await connection.close();
-  }
-  return out;
 }
 
 describe('CC headers on forward', () => {

@@ -13,8 +13,10 @@ import {
   countDelivery,
   declareQueue,
   depthOf,
+  idsOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   openBroker,
   publishAll,
   runArgs,
@@ -23,6 +25,7 @@ import {
   takeAll,
   uniqueName,
   waitFor,
+  withIds,
 } from '../helpers.js';
 import { adminServers, asUser } from './privilege-admin.js';
 
@@ -100,7 +103,7 @@ describe('the library: producers, units and the idempotent consumer', () => {
     const count = countDelivery(
       'unit of 10, cut and re-sent',
       Array.from({ length: 10 }, (_, i) => `${unitId}:${i}`),
-      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+      idsOf(arrived),
     );
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     expect(arrived.every((m) => m.properties.headers?.[UNIT_SIZE_HEADER] === 10)).toBe(true);
@@ -156,12 +159,8 @@ describe('the library: producers, units and the idempotent consumer', () => {
     const target = uniqueName('doubt-dst');
     await declareQueue(sourceUrl, source);
     await declareQueue(targetUrl, target);
-    const ids = Array.from({ length: 50 }, (_, i) => `doubt-${i}`);
-    await publishAll(
-      sourceUrl,
-      source,
-      ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
-    );
+    const { ids, messages } = numbered('doubt', 50);
+    await publishAll(sourceUrl, source, messages);
     // The hidden test hook kills the bridge after its first batch was confirmed, before the commit.
     const crashed = startCli(
       runArgs(source, ['--target-queue', target], '--lease', '1s', '--fault-crash-after-confirm'),
@@ -285,11 +284,8 @@ describe('the library: producers, units and the idempotent consumer', () => {
     const { targetUrl } = servers();
     const queue = uniqueName('effects');
     await declareQueue(targetUrl, queue);
-    const ids = Array.from({ length: 30 }, (_, i) => `effect-${i}`);
-    const copies = [...ids, ...ids.slice(0, 10)].map((id) => ({
-      body: id,
-      options: { headers: { _HQ_DUPL_ID: id } },
-    }));
+    const { ids } = numbered('effect', 30);
+    const copies = withIds([...ids, ...ids.slice(0, 10)]);
     await publishAll(targetUrl, queue, copies);
     const broker = await openBroker(targetUrl);
     const ledger = uniqueName('ledger');

@@ -6,10 +6,11 @@ import { describe, expect, it } from 'vitest';
 import { stringify } from 'yaml';
 import { FaultProxy } from '../harness/proxy.js';
 import {
-  countDelivery,
   declareQueue,
+  delivered,
   depthOf,
   metricsUrl,
+  numbered,
   openBroker,
   publishAll,
   queuePair,
@@ -18,7 +19,6 @@ import {
   sample,
   servers,
   startCli,
-  takeAll,
   uniqueName,
   waitFor,
   withOption,
@@ -31,15 +31,6 @@ function writeConfig(content: object): string {
   writeFileSync(path, stringify(content));
   return path;
 }
-
-function batch(prefix: string, from: number, to: number) {
-  return Array.from({ length: to - from }, (_, i) => ({
-    body: `${prefix} body ${from + i}`,
-    options: { headers: { _HQ_DUPL_ID: `${prefix}-${from + i}` } },
-  }));
-}
-
-const idsOf = (messages: ReturnType<typeof batch>) => messages.map((m) => m.options.headers._HQ_DUPL_ID);
 
 /** The same broker URL on a loopback port where nothing listens (a cluster node that is down). */
 async function closedPortUrl(url: string): Promise<string> {
@@ -116,13 +107,16 @@ describe('run --config', () => {
   it('runs two routes from one file in one process: each target gets exactly its messages', async () => {
     const { a, b, path } = await twoRouteConfig();
     const bridge = startCli(['run', '--config', path]);
-    const forA = batch('a', 0, 400);
-    const forB = batch('b', 0, 300);
-    await Promise.all([publishAll(a.sourceUrl, a.source, forA), publishAll(b.sourceUrl, b.source, forB)]);
+    const forA = numbered('a', 400);
+    const forB = numbered('b', 300);
+    await Promise.all([
+      publishAll(a.sourceUrl, a.source, forA.messages),
+      publishAll(b.sourceUrl, b.source, forB.messages),
+    ]);
     // Resent copies, to the same routes: they must be dropped as duplicates.
     await Promise.all([
-      publishAll(a.sourceUrl, a.source, forA.slice(0, 100)),
-      publishAll(b.sourceUrl, b.source, forB.slice(0, 100)),
+      publishAll(a.sourceUrl, a.source, forA.messages.slice(0, 100)),
+      publishAll(b.sourceUrl, b.source, forB.messages.slice(0, 100)),
     ]);
     expect(
       await waitFor(
@@ -135,15 +129,12 @@ describe('run --config', () => {
     const stopped = result.stdout.split('\n').filter((line) => line.includes('"msg":"stopped"'));
     expect(stopped.map((line) => JSON.parse(line).route).sort()).toEqual(['route-a', 'route-b']);
 
-    const toA = await takeAll(a.targetUrl, a.target);
-    const toB = await takeAll(b.targetUrl, b.target);
-    const header = (m: (typeof toA)[number]) => String(m.properties.headers?._HQ_DUPL_ID);
-    expect(countDelivery('route-a', idsOf(forA), toA.map(header))).toMatchObject({
+    expect((await delivered('route-a', a.targetUrl, a.target, forA.ids)).count).toMatchObject({
       lost: 0,
       duplicated: 0,
       unexpected: 0,
     });
-    expect(countDelivery('route-b', idsOf(forB), toB.map(header))).toMatchObject({
+    expect((await delivered('route-b', b.targetUrl, b.target, forB.ids)).count).toMatchObject({
       lost: 0,
       duplicated: 0,
       unexpected: 0,
@@ -290,7 +281,7 @@ describe('several URLs per broker (cluster failover)', () => {
     const sourceList = `${await closedPortUrl(sourceUrl)},${sourceUrl}`;
     const targetList = `${await closedPortUrl(targetUrl)},${targetUrl}`;
     const bridge = startCli(withOption(withOption(args, '--source', sourceList), '--target', targetList));
-    const messages = batch('down-first', 0, 300);
+    const { ids, messages } = numbered('down-first', 300);
     await publishAll(sourceUrl, source, messages);
     // All on the target before the stop: an empty source queue only says every message was
     // delivered, and deliveries the bridge had not read yet when told to stop go back to it.
@@ -302,8 +293,7 @@ describe('several URLs per broker (cluster failover)', () => {
       /source broker at amqp:\/\/[^"]*127\.0\.0\.1:\d+[^"]* not reachable; trying the next URL/,
     );
     expect(await depthOf(sourceUrl, source)).toBe(0);
-    const arrived = (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID));
-    expect(countDelivery('first URL down', idsOf(messages), arrived)).toMatchObject({
+    expect((await delivered('first URL down', targetUrl, target, ids)).count).toMatchObject({
       lost: 0,
       duplicated: 0,
       unexpected: 0,
@@ -314,8 +304,8 @@ describe('several URLs per broker (cluster failover)', () => {
     const { sourceUrl, targetUrl, source, target, bridge, nodes } = await runOverTwoNodes();
     const [source1, source2, target1, target2] = nodes;
     try {
-      const during = batch('once', 0, 1500);
-      await publishAll(sourceUrl, source, during);
+      const during = numbered('once', 1500);
+      await publishAll(sourceUrl, source, during.messages);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 300)).toBe(true);
       // Source node 1 goes down while messages flow: what it delivered unacked comes back on node 2,
       // and the cache knows which of those were forwarded already.
@@ -332,8 +322,8 @@ describe('several URLs per broker (cluster failover)', () => {
         true,
       );
       await target1.stop();
-      const after = batch('once', 1500, 2000);
-      await publishAll(sourceUrl, source, after);
+      const after = numbered('once', 500, 1500);
+      await publishAll(sourceUrl, source, after.messages);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 2000)).toBe(true);
       // Every copy dealt with (acked as forwarded or as a duplicate) before the stop.
       expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0 && (await idle()))).toBe(
@@ -342,10 +332,8 @@ describe('several URLs per broker (cluster failover)', () => {
       expect([source2.connections, target2.connections]).toEqual([1, 1]);
       bridge.signal('SIGTERM');
       expect((await bridge.done).code).toBe(0);
-      const arrived = (await takeAll(targetUrl, target)).map((m) =>
-        String(m.properties.headers?._HQ_DUPL_ID),
-      );
-      expect(countDelivery('node 1 down', idsOf([...during, ...after]), arrived)).toMatchObject({
+      const { count } = await delivered('node 1 down', targetUrl, target, [...during.ids, ...after.ids]);
+      expect(count).toMatchObject({
         lost: 0,
         duplicated: 0,
         unexpected: 0,
@@ -361,20 +349,20 @@ describe('several URLs per broker (cluster failover)', () => {
     const { sourceUrl, targetUrl, source, target, bridge, nodes } = await runOverTwoNodes();
     const [source1, source2, target1, target2] = nodes;
     try {
-      const before = batch('cut', 0, 300);
-      await publishAll(sourceUrl, source, before);
+      const before = numbered('cut', 300);
+      await publishAll(sourceUrl, source, before.messages);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 300)).toBe(true);
       expect([source1.connections, target1.connections, source2.connections, target2.connections]).toEqual([
         1, 1, 0, 0,
       ]);
 
-      const during = batch('cut', 300, 1500);
-      await publishAll(sourceUrl, source, during);
+      const during = numbered('cut', 1200, 300);
+      await publishAll(sourceUrl, source, during.messages);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 400)).toBe(true);
       // Node 1 goes down: open connections are reset and new ones refused.
       await Promise.all([source1.stop(), target1.stop()]);
-      const after = batch('cut', 1500, 2000);
-      await publishAll(sourceUrl, source, after);
+      const after = numbered('cut', 500, 1500);
+      await publishAll(sourceUrl, source, after.messages);
 
       expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0, 60_000)).toBe(true);
       expect(source2.connections).toBe(1);
@@ -383,12 +371,11 @@ describe('several URLs per broker (cluster failover)', () => {
       const result = await bridge.done;
       expect(result.code).toBe(0);
 
-      const arrived = await takeAll(targetUrl, target);
-      const count = countDelivery(
-        'node 1 cut mid-run',
-        idsOf([...before, ...during, ...after]),
-        arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-      );
+      const { messages: arrived, count } = await delivered('node 1 cut mid-run', targetUrl, target, [
+        ...before.ids,
+        ...during.ids,
+        ...after.ids,
+      ]);
       expect(count).toMatchObject({ lost: 0, unexpected: 0 });
       // Publishes in flight on the cut target connection may be sent again (README, the one window):
       // such copies are flagged in-doubt, and there are at most a prefetch window of them.

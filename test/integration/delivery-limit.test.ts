@@ -3,11 +3,14 @@ import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
   declareQueue,
+  delivered,
   depthOf,
+  idsOf,
   idText,
   metricsUrl,
   migrateArgs,
   migrateWithReport,
+  numbered,
   openBroker,
   publishAll,
   runArgs,
@@ -28,7 +31,6 @@ import {
 
 const MiB = 1024 * 1024;
 
-const ids = (prefix: string, n: number) => Array.from({ length: n }, (_, i) => `${prefix}-${i}`);
 const exactly = (n: number) => ({ expected: n, received: n, lost: 0, duplicated: 0, unexpected: 0 });
 
 /** A quorum queue on the source with a delivery limit, holding one message per ID. */
@@ -45,11 +47,6 @@ async function quorumSource(limit: number, messageIds: string[], body = (i: numb
   );
   expect(await depthOf(sourceUrl, source)).toBe(messageIds.length);
   return source;
-}
-
-/** The `_HQ_DUPL_ID`s of every message in a queue (taken, acked). */
-async function idsIn(url: string, queue: string): Promise<string[]> {
-  return (await takeAll(url, queue)).map((message) => idText(message.properties.headers?._HQ_DUPL_ID));
 }
 
 /** The `_HQ_DUPL_ID`s a stream holds, read from its first offset (a stream keeps what it is read). */
@@ -79,7 +76,7 @@ async function idsInStream(url: string, stream: string, expected: number): Promi
 describe('a quorum source with a delivery limit loses nothing', () => {
   it('100 unroutable, x-delivery-limit 2, default requeue policy: migrate stalls (exit 1) and all 100 stay in the source', async () => {
     const { sourceUrl, targetUrl } = servers();
-    const all = ids('unroutable', 100);
+    const all = numbered('unroutable', 100).ids;
     const source = await quorumSource(2, all);
     const target = uniqueName('dst');
     await declareQueue(targetUrl, target);
@@ -111,13 +108,13 @@ describe('a quorum source with a delivery limit loses nothing', () => {
         `gave back 100 message\\(s\\) held when the route stopped to quorum queue \\\\"${source}\\\\", whose delivery limit is 2 \\(x-delivery-limit\\): each return counts one delivery toward it"`,
       ),
     );
-    expect(countDelivery('back in the source', all, await idsIn(sourceUrl, source))).toEqual(exactly(100));
+    expect((await delivered('back in the source', sourceUrl, source, all)).count).toEqual(exactly(100));
     expect(await depthOf(targetUrl, target)).toBe(0);
   }, 120_000);
 
   it('a full target (x-max-length 10, reject-publish), x-delivery-limit 3, 50 messages: 10 on the target and 40 in the source, exit 1', async () => {
     const { sourceUrl, targetUrl } = servers();
-    const all = ids('full', 50);
+    const all = numbered('full', 50).ids;
     const source = await quorumSource(3, all);
     const target = uniqueName('dst-full');
     await declareQueue(targetUrl, target, {
@@ -135,8 +132,8 @@ describe('a quorum source with a delivery limit loses nothing', () => {
     expect(run.stderr.trim().split('\n').at(-1)).toMatch(
       /40 message\(s\) could not be forwarded .*: the target refuses them \(a queue at its length limit with overflow reject-publish, say\): make room on the target, or use --park-queue/,
     );
-    const onTarget = await idsIn(targetUrl, target);
-    const inSource = await idsIn(sourceUrl, source);
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    const inSource = idsOf(await takeAll(sourceUrl, source));
     expect(onTarget).toHaveLength(10);
     expect(inSource).toHaveLength(40);
     // Each of the 50 once, on one broker or the other.
@@ -145,7 +142,7 @@ describe('a quorum source with a delivery limit loses nothing', () => {
 
   it('--max-in-flight-bytes 1MiB, 200 bodies of 1 KiB to 600 KiB, x-delivery-limit 0: all 200 forwarded once, drained, exit 0', async () => {
     const { sourceUrl, targetUrl } = servers();
-    const all = ids('bytes', 200);
+    const all = numbered('bytes', 200).ids;
     // Sizes spread over 1 KiB - 600 KiB (a fixed sequence, so each run sends the same).
     const sizes = all.map((_, i) => 1024 + ((i * 7919 * 613) % (599 * 1024)));
     const source = await quorumSource(0, all, (i) => Buffer.alloc(sizes[i] as number, i % 251).toString());
@@ -181,7 +178,7 @@ describe('a quorum source with a delivery limit loses nothing', () => {
       process.stdout.write(`peak in flight seen: ${(peak / MiB).toFixed(2)} MiB with a 1 MiB bound\n`);
       expect(result.code, result.stderr).toBe(0);
       expect(result.stderr).toMatch(/drained/);
-      expect(countDelivery('on the target', all, await idsIn(targetUrl, target))).toEqual(exactly(200));
+      expect((await delivered('on the target', targetUrl, target, all)).count).toEqual(exactly(200));
       expect(await depthOf(sourceUrl, source)).toBe(0);
       // Nothing can be returned to this queue: the bound is passed by what one window brought.
       expect(peak).toBeGreaterThan(0);
@@ -197,7 +194,7 @@ describe('a stream as the source is refused at start (until stream sources are s
     const { sourceUrl } = servers();
     const stream = uniqueName('stream-src');
     await declareQueue(sourceUrl, stream, { arguments: { 'x-queue-type': 'stream' } });
-    const all = ids('stream', n);
+    const all = numbered('stream', n).ids;
     await publishAll(
       sourceUrl,
       stream,

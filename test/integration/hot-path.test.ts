@@ -4,7 +4,7 @@ import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { createLogger } from '../../src/observe/log.js';
-import { ContentHeader, contentHeaderOf } from '../../src/wire/properties.js';
+import { ContentHeader } from '../../src/wire/properties.js';
 import { FaultProxy } from '../harness/proxy.js';
 import {
   countDelivery,
@@ -20,6 +20,7 @@ import {
   sample,
   servers,
   startCli,
+  takeRaw,
   uniqueName,
   waitFor,
   withOption,
@@ -46,23 +47,6 @@ async function publishBuilt(url: string, queue: string, messages: { header: Buff
   } finally {
     await connection.close();
   }
-}
-
-/** Every message in a queue with its content header as the broker delivers it. */
-async function takeRaw(url: string, queue: string): Promise<{ header: Buffer; body: Buffer }[]> {
-  const connection = await connectAmqp(url, { side: 'target', retryForMs: 5000, log });
-  const out: { header: Buffer; body: Buffer }[] = [];
-  try {
-    const channel = await connection.createChannel();
-    for (;;) {
-      const message = await channel.get(queue, { noAck: true });
-      if (message === false) break;
-      out.push({ header: Buffer.from(contentHeaderOf(message.properties).bytes), body: message.content });
-    }
-  } finally {
-    await connection.close();
-  }
-  return out;
 }
 
 /** The ID and in-doubt flag of a forwarded message, read from its raw header. */

@@ -7,8 +7,10 @@ import {
   countDelivery,
   declareQueue,
   depthOf,
+  idsOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   openBroker,
   publishAll,
   queuePair,
@@ -18,6 +20,7 @@ import {
   servers,
   takeAll,
   uniqueName,
+  withIds,
   withOption,
 } from '../helpers.js';
 import { array, field, longString } from '../wire.js';
@@ -70,17 +73,11 @@ async function olderBridgePass(
 // A route whose target routes back into its source queue would forward each message onto the queue
 // it came from and then ack it as a duplicate: every message deleted, reported forwarded.
 describe('loops are refused, never drained', () => {
-  const messages = (tag: string, count: number) =>
-    Array.from({ length: count }, (_, i) => ({
-      body: `loop ${i}`,
-      options: { headers: { _HQ_DUPL_ID: `${tag}-${i}` } },
-    }));
-
   it('the same queue as source and target on the same broker: exit 2 before anything moves, however the URL names it', async () => {
     const { sourceUrl } = servers();
     const queue = uniqueName('self');
     await declareQueue(sourceUrl, queue);
-    await publishAll(sourceUrl, queue, messages(queue, 20));
+    await publishAll(sourceUrl, queue, numbered(queue, 20).messages);
     // Another URL of the very same node: only the broker itself can say it is the same cluster.
     const byName = new URL(sourceUrl);
     byName.hostname = 'localhost';
@@ -111,8 +108,8 @@ describe('loops are refused, never drained', () => {
     await broker.channel.assertExchange(exchange, 'fanout', { durable: true });
     await broker.channel.bindQueue(queue, exchange, '');
     await broker.close();
-    const sent = messages(queue, 50);
-    await publishAll(sourceUrl, queue, sent);
+    const sent = numbered(queue, 50);
+    await publishAll(sourceUrl, queue, sent.messages);
 
     const args = withOption(
       migrateArgs(queue, ['--target-exchange', exchange], '--park-queue', park),
@@ -126,11 +123,7 @@ describe('loops are refused, never drained', () => {
     // Every message is still somewhere: each one once, in the park queue, with the reason.
     expect(await depthOf(sourceUrl, queue)).toBe(0);
     const parked = await takeAll(sourceUrl, park);
-    const count = countDelivery(
-      'loop through an exchange, parked',
-      sent.map((m) => m.options.headers._HQ_DUPL_ID),
-      parked.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
+    const count = countDelivery('loop through an exchange, parked', sent.ids, idsOf(parked));
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     expect(String(parked[0]?.properties.headers?.['x-dedup-park-reason'])).toMatch(/^loop: /);
   });
@@ -174,11 +167,7 @@ describe('loops are refused, never drained', () => {
       foreign: [own],
     });
     const parked = await takeAll(sourceUrl, park);
-    const count = countDelivery(
-      'marked by this route, parked',
-      ['own-json', 'own-array'],
-      parked.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
+    const count = countDelivery('marked by this route, parked', ['own-json', 'own-array'], idsOf(parked));
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     expect(await depthOf(sourceUrl, source)).toBe(0);
   });
@@ -190,9 +179,8 @@ describe('loops are refused, never drained', () => {
     // The older bridge runs the way back, target queue to source queue.
     const older = await routeNameOf(targetUrl, target);
     const way = { back: { url: targetUrl, queue: target }, there: { url: sourceUrl, queue: source } };
-    const message = (id: string) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } });
-    await publishAll(sourceUrl, source, [message('here-first')]);
-    await publishAll(targetUrl, target, [message('there-first')]);
+    await publishAll(sourceUrl, source, withIds(['here-first']));
+    await publishAll(targetUrl, target, withIds(['there-first']));
 
     // 'there-first' goes back with the older bridge's mark; then this route forwards both.
     expect(await olderBridgePass(way.back, way.there, older)).toEqual([]);
@@ -208,7 +196,7 @@ describe('loops are refused, never drained', () => {
     expect(again.code, again.stderr).toBe(0);
     expect(again.report).toMatchObject({ forwarded: 0, looped: 1, parked: 1, duplicates: 0 });
     const parked = await takeAll(sourceUrl, park);
-    expect(parked.map((m) => String(m.properties.headers?._HQ_DUPL_ID))).toEqual(['here-first']);
+    expect(idsOf(parked)).toEqual(['here-first']);
     expect(await depthOf(sourceUrl, source)).toBe(0);
   });
 });

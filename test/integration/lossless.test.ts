@@ -5,7 +5,6 @@ import { publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
 import { withDedupId } from '../../src/client/producer.js';
 import { createLogger } from '../../src/observe/log.js';
-import { contentHeaderOf } from '../../src/wire/properties.js';
 import {
   countDelivery,
   declareQueue,
@@ -17,6 +16,7 @@ import {
   runArgs,
   servers,
   startCli,
+  takeRaw,
   uniqueName,
   waitFor,
   withOption,
@@ -236,23 +236,6 @@ async function publishCorpus(url: string, queue: string, sent: Sent[]): Promise<
   } finally {
     await connection.close();
   }
-}
-
-/** Every message in a queue with its content header exactly as the broker delivers it. */
-async function takeRaw(url: string, queue: string): Promise<{ header: Buffer; body: Buffer }[]> {
-  const connection = await connectAmqp(url, { side: 'target', retryForMs: 5000, log });
-  const out: { header: Buffer; body: Buffer }[] = [];
-  try {
-    const channel = await connection.createChannel();
-    for (;;) {
-      const message = await channel.get(queue, { noAck: true });
-      if (message === false) break;
-      out.push({ header: contentHeaderOf(message.properties).bytes, body: message.content });
-    }
-  } finally {
-    await connection.close();
-  }
-  return out;
 }
 
 /**

@@ -6,8 +6,10 @@ import { freePort } from '../harness/servers.js';
 import {
   declareQueue,
   depthOf,
+  lines,
   migrateArgs,
   migrateWithReport,
+  numbered,
   openBroker,
   publishAll,
   runCli,
@@ -32,18 +34,6 @@ type Report = Row & { outcome: string; exitCode: number; problem: string | null;
 
 const handled = (row: Row) => row.forwarded + row.duplicates + row.parked + row.deadLettered;
 
-function messages(queue: string, count: number) {
-  return Array.from({ length: count }, (_, i) => ({
-    body: `${queue}-${i}`,
-    options: { headers: { _HQ_DUPL_ID: `${queue}-${i}` } },
-  }));
-}
-
-/** The lines a command printed, without the empty one after the last newline. */
-function lines(text: string): string[] {
-  return text.split('\n').filter((line) => line.length > 0);
-}
-
 /** A report path in a fresh folder, and a reader for it (undefined when none was written). */
 function reportFile(): { path: string; read(): Report | undefined } {
   const path = join(mkdtempSync(join(tmpdir(), 'dedup-report-')), 'report.json');
@@ -60,7 +50,7 @@ describe('migrate: progress and reports', () => {
     for (const queue of queues) {
       await declareQueue(sourceUrl, queue);
       await declareQueue(targetUrl, queue);
-      await publishAll(sourceUrl, queue, messages(queue, 400));
+      await publishAll(sourceUrl, queue, numbered(queue, 400).messages);
     }
     // One queue after the other, each proving its drain with a 1.5 s idle wait: the old total
     // divided by the whole run (idle waits included) and came out below both rows.
@@ -114,7 +104,7 @@ describe('migrate: progress and reports', () => {
     const source = uniqueName('rep-src');
     const target = uniqueName('rep-dst');
     await declareQueue(sourceUrl, source);
-    await publishAll(sourceUrl, source, messages(source, 5));
+    await publishAll(sourceUrl, source, numbered(source, 5).messages);
 
     // Options refused after --report was read: exit 2, the one line, and a report that says so.
     const badOption = reportFile();
@@ -183,7 +173,7 @@ describe('migrate: progress and reports', () => {
     const queue = uniqueName('quorum');
     await declareQueue(sourceUrl, queue, { arguments: { 'x-queue-type': 'quorum' } });
     await declareQueue(targetUrl, queue);
-    await publishAll(sourceUrl, queue, messages(queue, 5));
+    await publishAll(sourceUrl, queue, numbered(queue, 5).messages);
     // Another consumer holds one message unacked.
     const other = await openBroker(sourceUrl);
     await other.channel.prefetch(1);

@@ -5,6 +5,7 @@ import {
   countDelivery,
   declareQueue,
   depthOf,
+  idsOf,
   migrateWithReport,
   publishAll,
   servers,
@@ -68,8 +69,7 @@ function migrate(source: string, destination: string, ...extra: string[]) {
 }
 
 type Taken = { properties: { headers?: Record<string, unknown> } };
-const ids = (messages: Taken[]) =>
-  messages.map((message) => String(message.properties.headers?._HQ_DUPL_ID)).sort();
+const ids = (messages: Taken[]) => idsOf(messages).sort();
 
 /**
  * The target holds each small message, none of the large ones, and no unflagged second copy. The

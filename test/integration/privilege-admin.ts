@@ -17,7 +17,7 @@ export interface Permissions {
   read: string;
 }
 
-export interface NewUser {
+interface NewUser {
   name: string;
   password: string;
   permissions: Permissions;

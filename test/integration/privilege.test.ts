@@ -10,10 +10,10 @@ import {
   refusalsOf,
 } from '../documented-grants.js';
 import {
-  countDelivery,
   declareQueue,
+  delivered,
   depthOf,
-  idText,
+  numbered,
   openBroker,
   publishAll,
   runCli,
@@ -30,19 +30,6 @@ const dbAcl = () => documentedAcl('database other than 0');
 const toolsAcl = () => documentedAcl('cache stats and cache reset-scope');
 
 const PASSWORD = 'least-privilege';
-
-/** Messages with IDs `<prefix>-<i>`, published to `routingKey` through `exchange` on the source. */
-function messages(prefix: string, count: number, exchange = '', routingKey?: string) {
-  return Array.from({ length: count }, (_, i) => ({
-    body: `${prefix} ${i}`,
-    options: { headers: { _HQ_DUPL_ID: `${prefix}-${i}` } },
-    exchange,
-    routingKey,
-  }));
-}
-
-const idsOf = (received: { properties: { headers?: Record<string, unknown> } }[]) =>
-  received.map((message) => idText(message.properties.headers?._HQ_DUPL_ID));
 
 describe('least privilege: the bridge runs as users with only the documented permissions', () => {
   let admin: AdminServers;
@@ -174,7 +161,7 @@ describe('least privilege: the bridge runs as users with only the documented per
   it('migrate (declaring the target, deleting the drained source) and run (parking) forward each message once', async () => {
     // migrate: the target queue does not exist yet; the source queue is deleted once drained.
     await declareQueue(admin.sourceUrl, migrated);
-    await publishAll(admin.sourceUrl, migrated, messages(migrated, 20));
+    await publishAll(admin.sourceUrl, migrated, numbered(migrated, 20).messages);
     const migrate = await runCli([
       'migrate',
       ...connection(),
@@ -190,12 +177,13 @@ describe('least privilege: the bridge runs as users with only the documented per
     ]);
     expect(migrate.stderr).toBe('');
     expect(migrate.code).toBe(0);
-    const migratedCount = countDelivery(
+    const migratedCount = await delivered(
       'privilege migrate',
-      messages(migrated, 20).map((message) => message.options.headers._HQ_DUPL_ID),
-      idsOf(await takeAll(admin.targetUrl, migrated)),
+      admin.targetUrl,
+      migrated,
+      numbered(migrated, 20).ids,
     );
-    expect(migratedCount).toMatchObject({ received: 20, lost: 0, duplicated: 0, unexpected: 0 });
+    expect(migratedCount.count).toMatchObject({ received: 20, lost: 0, duplicated: 0, unexpected: 0 });
     const probe = await amqp.connect(admin.sourceUrl);
     probe.on('error', () => {});
     const channel = await probe.createChannel();
@@ -215,9 +203,16 @@ describe('least privilege: the bridge runs as users with only the documented per
     const source = await openBroker(admin.sourceUrl);
     for (const key of ['routed', 'nowhere']) await source.channel.bindQueue(live, 'amq.direct', key);
     await source.close();
-    const routed = messages(`${live}-routed`, 12, 'amq.direct', 'routed');
-    const unroutable = messages(`${live}-nowhere`, 3, 'amq.direct', 'nowhere');
-    await publishAll(admin.sourceUrl, live, [...routed, ...unroutable]);
+    const routed = numbered(`${live}-routed`, 12);
+    const unroutable = numbered(`${live}-nowhere`, 3);
+    await publishAll(admin.sourceUrl, live, [
+      ...routed.messages.map((message) => ({ ...message, exchange: 'amq.direct', routingKey: 'routed' })),
+      ...unroutable.messages.map((message) => ({
+        ...message,
+        exchange: 'amq.direct',
+        routingKey: 'nowhere',
+      })),
+    ]);
 
     const run = startCli([
       'run',
@@ -238,16 +233,11 @@ describe('least privilege: the bridge runs as users with only the documented per
     const stopped = await run.done;
     expect(settled, stopped.stderr + stopped.stdout.slice(-2000)).toBe(true);
     expect(stopped.code).toBe(0);
-    const ids = (list: typeof routed) => list.map((message) => message.options.headers._HQ_DUPL_ID);
-    const forwarded = countDelivery(
-      'privilege run',
-      ids(routed),
-      idsOf(await takeAll(admin.targetUrl, liveTarget)),
-    );
-    expect(forwarded).toMatchObject({ received: 12, lost: 0, duplicated: 0, unexpected: 0 });
+    const forwarded = await delivered('privilege run', admin.targetUrl, liveTarget, routed.ids);
+    expect(forwarded.count).toMatchObject({ received: 12, lost: 0, duplicated: 0, unexpected: 0 });
     const parked = await takeAll(admin.sourceUrl, park);
     expect(parked.map((message) => message.properties.headers?._HQ_DUPL_ID).sort()).toEqual(
-      ids(unroutable).sort(),
+      [...unroutable.ids].sort(),
     );
     expect(await depthOf(admin.sourceUrl, live)).toBe(0);
 
@@ -311,7 +301,7 @@ describe('least privilege: the bridge runs as users with only the documented per
     const queue = `${name}-db`;
     await declareQueue(admin.sourceUrl, queue);
     await declareQueue(admin.targetUrl, queue);
-    await publishAll(admin.sourceUrl, queue, messages(queue, 10));
+    await publishAll(admin.sourceUrl, queue, numbered(queue, 10).messages);
     const onDb = (user: string) => [
       'migrate',
       '--source',
@@ -339,12 +329,8 @@ describe('least privilege: the bridge runs as users with only the documented per
     const migrate = await runCli(onDb(dbUser));
     expect(migrate.stderr).toBe('');
     expect(migrate.code).toBe(0);
-    const delivered = countDelivery(
-      'privilege db 3',
-      messages(queue, 10).map((message) => message.options.headers._HQ_DUPL_ID),
-      idsOf(await takeAll(admin.targetUrl, queue)),
-    );
-    expect(delivered).toMatchObject({ received: 10, lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered('privilege db 3', admin.targetUrl, queue, numbered(queue, 10).ids);
+    expect(count).toMatchObject({ received: 10, lost: 0, duplicated: 0, unexpected: 0 });
     expect(refusalsOf(await redisAdmin(admin.redisUrl, 'ACL', 'LOG', '1000'), dbUser)).toEqual([]);
     // The IDs are in database 3, not 0.
     const layout = `${name}:{queue:${queue}}:layout`;
@@ -380,8 +366,8 @@ describe('least privilege: the bridge runs as users with only the documented per
     const broker = await openBroker(admin.sourceUrl);
     try {
       await declareQueue(admin.sourceUrl, queue);
-      const ids = messages(queue, 10);
-      await publishAll(admin.sourceUrl, queue, [...ids, ...ids.slice(0, 3)]);
+      const { messages: sent } = numbered(queue, 10);
+      await publishAll(admin.sourceUrl, queue, [...sent, ...sent.slice(0, 3)]);
       const revenue = `{${scope}}:revenue`;
       const consumer = await createIdempotentConsumer({
         channel: broker.channel,
@@ -415,8 +401,8 @@ describe('least privilege: the bridge runs as users with only the documented per
     await setup.channel.assertExchange(ownExchange, 'fanout', { durable: true });
     await setup.channel.bindQueue(fanoutTarget, ownExchange, '');
     await setup.close();
-    const sent = messages(fanoutSource, 10);
-    await publishAll(admin.sourceUrl, fanoutSource, sent);
+    const sent = numbered(fanoutSource, 10);
+    await publishAll(admin.sourceUrl, fanoutSource, sent.messages);
     const migrate = await runCli([
       'migrate',
       ...connection({ target: exchangeUser }),
@@ -430,12 +416,8 @@ describe('least privilege: the bridge runs as users with only the documented per
     ]);
     expect(migrate.stderr).toBe('');
     expect(migrate.code).toBe(0);
-    const delivered = countDelivery(
-      'privilege own exchange',
-      sent.map((message) => message.options.headers._HQ_DUPL_ID),
-      idsOf(await takeAll(admin.targetUrl, fanoutTarget)),
-    );
-    expect(delivered).toMatchObject({ received: 10, lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered('privilege own exchange', admin.targetUrl, fanoutTarget, sent.ids);
+    expect(count).toMatchObject({ received: 10, lost: 0, duplicated: 0, unexpected: 0 });
 
     // The same user publishing to another queue: through the default exchange or another one.
     const refusals: string[] = [];
@@ -472,8 +454,8 @@ describe('least privilege: the bridge runs as users with only the documented per
     const source = await openBroker(admin.sourceUrl);
     await source.channel.assertQueue(dlq, { durable: true, arguments: { 'x-dead-letter-exchange': dlx } });
     await source.close();
-    const sent = messages(dlq, 5);
-    await publishAll(admin.sourceUrl, dlq, sent);
+    const sent = numbered(dlq, 5);
+    await publishAll(admin.sourceUrl, dlq, sent.messages);
     const migrate = (target: string) =>
       runCli([
         'migrate',
@@ -503,12 +485,8 @@ describe('least privilege: the bridge runs as users with only the documented per
     const declared = await migrate(dlxUser);
     expect(declared.stderr).toBe('');
     expect(declared.code).toBe(0);
-    const delivered = countDelivery(
-      'privilege declare with DLX',
-      sent.map((message) => message.options.headers._HQ_DUPL_ID),
-      idsOf(await takeAll(admin.targetUrl, dlq)),
-    );
-    expect(delivered).toMatchObject({ received: 5, lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered('privilege declare with DLX', admin.targetUrl, dlq, sent.ids);
+    expect(count).toMatchObject({ received: 5, lost: 0, duplicated: 0, unexpected: 0 });
     // Declared with the source's dead-letter exchange (a declaration with other arguments fails).
     const check = await openBroker(admin.targetUrl);
     await expect(
@@ -520,7 +498,7 @@ describe('least privilege: the bridge runs as users with only the documented per
   it('one permission less stops at once, naming it (exit 2), and moves nothing', async () => {
     await declareQueue(admin.sourceUrl, refusedQueue);
     await declareQueue(admin.targetUrl, refusedQueue);
-    await publishAll(admin.sourceUrl, refusedQueue, messages(refusedQueue, 3));
+    await publishAll(admin.sourceUrl, refusedQueue, numbered(refusedQueue, 3).messages);
     const migrate = (users: { target?: string; redis?: string }) =>
       runCli([
         'migrate',

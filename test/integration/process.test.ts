@@ -1,17 +1,7 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import {
-  CLI,
-  countDelivery,
-  depthOf,
-  idText,
-  publishAll,
-  queuePair,
-  runArgs,
-  takeAll,
-  waitFor,
-} from '../helpers.js';
+import { CLI, delivered, depthOf, numbered, publishAll, queuePair, runArgs, waitFor } from '../helpers.js';
 
 /** The command line a process runs now, as the kernel shows it. */
 function commandLine(pid: number): string[] {
@@ -55,13 +45,8 @@ describe('the CLI process', () => {
       line = commandLine(bridge.pid);
       // The log's pid is the one started: it replaced itself, it did not start a child.
       expect(bridge.output()).toContain(`"pid":${bridge.pid},`);
-      const ids = Array.from({ length: 20 }, (_, i) => `semi-${i}`);
-      await publishAll(
-        sourceUrl,
-        source,
-        ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
-      );
-      expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= ids.length, 30_000)).toBe(true);
+      await publishAll(sourceUrl, source, numbered('semi', 20).messages);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 20, 30_000)).toBe(true);
     } finally {
       bridge.stop();
     }
@@ -69,12 +54,7 @@ describe('the CLI process', () => {
     expect(line).toContain('--max-semi-space-size=8');
     expect(line).toContain('--heap-growing-percent=100');
     expect(line).toContain(CLI);
-    const received = (await takeAll(targetUrl, target)).map((m) => idText(m.properties.headers?._HQ_DUPL_ID));
-    const count = countDelivery(
-      'semi-space run',
-      Array.from({ length: 20 }, (_, i) => `semi-${i}`),
-      received,
-    );
+    const { count } = await delivered('semi-space run', targetUrl, target, numbered('semi', 20).ids);
     expect([count.lost, count.duplicated, count.unexpected]).toEqual([0, 0, 0]);
   });
 

@@ -2,7 +2,9 @@ import { describe, expect, it } from 'vitest';
 import { FaultProxy } from '../harness/proxy.js';
 import {
   depthOf,
+  idsOf,
   migrateWithReport,
+  numbered,
   openBroker,
   publishAll,
   queuePair,
@@ -17,10 +19,7 @@ describe('recovery limits', () => {
   it('migrate gives up after --retry-for when the target stays away mid-run: exit 1, nothing lost', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const { redisUrl } = servers();
-    const messages = Array.from({ length: 2000 }, (_, i) => ({
-      body: `m${i}`,
-      options: { headers: { _HQ_DUPL_ID: `${source}-${i}` } },
-    }));
+    const { ids, messages } = numbered(source, 2000);
     await publishAll(sourceUrl, source, messages);
     const proxy = FaultProxy.forUrl(targetUrl);
     await proxy.start();
@@ -51,15 +50,9 @@ describe('recovery limits', () => {
       /target broker at .* unreachable for \ds \(--retry-for\); nothing unforwarded was acked/,
     );
     // Every message is on the target or still in the source; the in-flight ones may be on both.
-    const arrived = new Set(
-      (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
-    const left = new Set(
-      (await takeAll(sourceUrl, source)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
-    const lost = messages.filter(
-      (m) => !arrived.has(m.options.headers._HQ_DUPL_ID) && !left.has(m.options.headers._HQ_DUPL_ID),
-    );
+    const arrived = new Set(idsOf(await takeAll(targetUrl, target)));
+    const left = new Set(idsOf(await takeAll(sourceUrl, source)));
+    const lost = ids.filter((id) => !arrived.has(id) && !left.has(id));
     expect(lost).toHaveLength(0);
     expect(left.size).toBeGreaterThan(0);
   });

@@ -7,14 +7,20 @@ import {
   type CliResult,
   countDelivery,
   depthOf,
+  idsOf,
+  migrateArgs,
   migrateWithReport,
+  numbered,
   publishAll,
   queuePair,
+  runArgs,
   runCli,
   servers,
   startCli,
   takeAll,
   waitFor,
+  withIds,
+  withOption,
 } from '../helpers.js';
 
 // Issue 34.4 and 34.5: a Redis that answers but refuses (full: OOM under noeviction) and a Redis
@@ -49,35 +55,10 @@ async function unfill(): Promise<void> {
   await admin.config('SET', 'maxmemory', '0');
 }
 
-function messagesFor(prefix: string, count: number) {
-  return Array.from({ length: count }, (_, i) => ({
-    body: `${prefix} ${i}`,
-    options: { headers: { _HQ_DUPL_ID: `${prefix}-${i}` } },
-  }));
-}
-
+/** `dedup-bridge migrate` between the harness's brokers, with this file's own Redis. */
 function migrateArgsTo(source: string, target: string, ...extra: string[]): string[] {
-  const { sourceUrl, targetUrl } = servers();
-  return [
-    'migrate',
-    '--source',
-    sourceUrl,
-    '--source-queue',
-    source,
-    '--target',
-    targetUrl,
-    '--target-queue',
-    target,
-    '--redis',
-    redis.url,
-    '--idle-timeout',
-    '300ms',
-    ...extra,
-  ];
+  return withOption(migrateArgs(source, ['--target-queue', target], ...extra), '--redis', redis.url);
 }
-
-const idsOf = (messages: { properties: { headers?: Record<string, unknown> } }[]) =>
-  messages.map((message) => String(message.properties.headers?._HQ_DUPL_ID));
 
 /** The lines the CLI wrote on stderr for itself (not the report's table). */
 const ownLines = (stderr: string) => stderr.split('\n').filter((line) => line.startsWith('dedup-bridge:'));
@@ -85,7 +66,7 @@ const ownLines = (stderr: string) => stderr.split('\n').filter((line) => line.st
 describe('a full Redis (OOM under noeviction)', () => {
   it('at start, migrate waits --retry-for, then one line and exit 1, not an internal error; nothing moves', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const messages = messagesFor(source, 20);
+    const { messages } = numbered(source, 20);
     await publishAll(sourceUrl, source, messages);
     await fill();
     try {
@@ -111,24 +92,12 @@ describe('a full Redis (OOM under noeviction)', () => {
 
   it('at start, run --retry-for 2s: one line naming the dedup scope, exit 1', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    await publishAll(sourceUrl, source, messagesFor(source, 5));
+    await publishAll(sourceUrl, source, numbered(source, 5).messages);
     await fill();
     try {
-      const result = await runCli([
-        'run',
-        '--source',
-        sourceUrl,
-        '--source-queue',
-        source,
-        '--target',
-        targetUrl,
-        '--target-queue',
-        target,
-        '--redis',
-        redis.url,
-        '--retry-for',
-        '2s',
-      ]);
+      const result = await runCli(
+        withOption(runArgs(source, ['--target-queue', target], '--retry-for', '2s'), '--redis', redis.url),
+      );
       process.stdout.write(`oom at start (run): exit ${result.code}\n`);
       expect(result.code).toBe(1);
       expect(result.stderr).not.toMatch(/internal error|ReplyError|\n\s+at /);
@@ -145,7 +114,7 @@ describe('a full Redis (OOM under noeviction)', () => {
 
   it('mid-run, migrate ends after --retry-for with exit 1 and the OOM line; nothing is lost, and a run after it completes', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const messages = messagesFor(source, 3000);
+    const { ids, messages } = numbered(source, 3000);
     await publishAll(sourceUrl, source, messages);
     const run = migrateWithReport(
       migrateArgsTo(source, target, '--retry-for', '2s', '--prefetch', '100', '--max-rate', '600'),
@@ -179,7 +148,6 @@ describe('a full Redis (OOM under noeviction)', () => {
     expect(report.exitCode).toBe(1);
     expect(String(report.problem)).toMatch(/refused writes for \ds \(OOM /);
     // Nothing lost: each ID is on the target or still in the source.
-    const ids = messages.map((message) => message.options.headers._HQ_DUPL_ID);
     const first = countDelivery('oom mid-run (target + source)', ids, [...onTarget, ...inSource]);
     expect(first.lost).toBe(0);
     expect(first.unexpected).toBe(0);
@@ -187,11 +155,7 @@ describe('a full Redis (OOM under noeviction)', () => {
     expect(report.forwarded).toBe(onTarget.length);
 
     // Redis has room again: the next run forwards the rest, and no ID twice.
-    await publishAll(
-      sourceUrl,
-      source,
-      inSource.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
-    );
+    await publishAll(sourceUrl, source, withIds(inSource));
     const again = await migrateWithReport(migrateArgsTo(source, target));
     expect(again.code).toBe(0);
     const rest = idsOf(await takeAll(targetUrl, target));
@@ -205,24 +169,21 @@ describe('a full Redis (OOM under noeviction)', () => {
 describe('a full Redis under run', () => {
   it('run --retry-for 2s gives up as for a lost connection: one line, exit 1; what it held stays in the source', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const first = messagesFor(`${source}-a`, 50);
-    const second = messagesFor(`${source}-b`, 50);
-    // migrate's arguments for this Redis, without --idle-timeout, which run does not have. A stop
-    // lets in-flight work finish for --shutdown-timeout (30 s): a claim Redis refuses cannot.
-    const args = migrateArgsTo(source, target, '--retry-for', '2s', '--shutdown-timeout', '1s').filter(
-      (_, i, all) => !(all[i] === '--idle-timeout' || all[i - 1] === '--idle-timeout'),
-    );
-    const bridge = startCli(['run', ...args.slice(1)]);
+    const first = numbered(`${source}-a`, 50);
+    const second = numbered(`${source}-b`, 50);
+    // A stop lets in-flight work finish for --shutdown-timeout (30 s): a claim Redis refuses cannot.
+    const args = runArgs(source, ['--target-queue', target], '--retry-for', '2s', '--shutdown-timeout', '1s');
+    const bridge = startCli(withOption(args, '--redis', redis.url));
     let ended = false;
     void bridge.done.then(() => {
       ended = true;
     });
     let result: CliResult | 'still running';
     try {
-      await publishAll(sourceUrl, source, first);
-      expect(await waitFor(async () => (await depthOf(targetUrl, target)) === first.length)).toBe(true);
+      await publishAll(sourceUrl, source, first.messages);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) === first.ids.length)).toBe(true);
       await fill();
-      await publishAll(sourceUrl, source, second);
+      await publishAll(sourceUrl, source, second.messages);
       result = await Promise.race([
         bridge.done,
         new Promise<'still running'>((resolve) => setTimeout(() => resolve('still running'), 30_000)),
@@ -242,17 +203,17 @@ describe('a full Redis under run', () => {
     expect(done.stderr).toMatch(
       /^dedup-bridge: Redis at redis:\/\/127\.0\.0\.1:\d+ refused writes for \ds \(OOM command not allowed when used memory > 'maxmemory'\), past --retry-for: it is full .*; nothing unforwarded was acked\n$/,
     );
-    const ids = [...first, ...second].map((message) => message.options.headers._HQ_DUPL_ID);
+    const ids = [...first.ids, ...second.ids];
     const count = countDelivery('oom under run (target + source)', ids, [...onTarget, ...inSource]);
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
-    expect(onTarget.sort()).toEqual(first.map((message) => message.options.headers._HQ_DUPL_ID).sort());
+    expect(onTarget.sort()).toEqual([...first.ids].sort());
   });
 });
 
 describe('a Redis that forgets (FLUSHDB) under a running migration', () => {
   it('counts and logs the commits that found no claim, and loses nothing', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
-    const messages = messagesFor(source, 3000);
+    const { ids, messages } = numbered(source, 3000);
     await publishAll(sourceUrl, source, messages);
     // --max-rate holds claimed batches before their publish: claims are in Redis when it forgets.
     const run = migrateWithReport(migrateArgsTo(source, target, '--prefetch', '200', '--max-rate', '600'));
@@ -283,7 +244,6 @@ describe('a Redis that forgets (FLUSHDB) under a running migration', () => {
       /^Redis had lost the claims of \d+ confirmed message\(s\) \(FLUSHDB, a restart or a failover without persistence\): committed again, but duplicates are possible for what was in flight/,
     );
     // Every ID on the target, once (one process, nothing redelivered: nothing to duplicate).
-    const ids = messages.map((message) => message.options.headers._HQ_DUPL_ID);
     const delivery = countDelivery('flushdb mid-run', ids, onTarget);
     expect(delivery.lost).toBe(0);
     expect(delivery.duplicated).toBe(0);
@@ -370,7 +330,7 @@ describe('a Redis that forgets (FLUSHDB) under a running migration', () => {
     process.stdout.write(
       `already committed: ${copies.length} copies of ${id} on the target, in-doubt flags ${copies.map((m) => m.properties.headers?.['x-dedup-in-doubt'] ?? false).join(', ')}\n`,
     );
-    expect(copies.map((m) => String(m.properties.headers?._HQ_DUPL_ID))).toEqual([id, id]);
+    expect(idsOf(copies)).toEqual([id, id]);
     expect(copies.filter((m) => m.properties.headers?.['x-dedup-in-doubt'] === true)).toHaveLength(1);
   });
 });

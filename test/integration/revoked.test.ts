@@ -4,8 +4,10 @@ import {
   countDelivery,
   declareQueue,
   depthOf,
+  idsOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   publishAll,
   takeAll,
   uniqueName,
@@ -33,12 +35,8 @@ describe('write permission revoked on the target mid-transfer', () => {
       await declareQueue(admin.sourceUrl, park);
       await declareQueue(admin.targetUrl, target);
       const total = 3000;
-      const ids = Array.from({ length: total }, (_, i) => `${source}-${i}`);
-      await publishAll(
-        admin.sourceUrl,
-        source,
-        ids.map((id) => ({ body: id, options: { headers: { _HQ_DUPL_ID: id } } })),
-      );
+      const { ids, messages } = numbered(source, total);
+      await publishAll(admin.sourceUrl, source, messages);
       // Through a proxy: RabbitMQ checks a channel's write permission once, so the revocation
       // shows on the channels the bridge opens after its connection is cut.
       proxy = FaultProxy.forUrl(admin.targetUrl);
@@ -69,12 +67,8 @@ describe('write permission revoked on the target mid-transfer', () => {
       expect(run.code, run.stderr).toBe(2);
       expect(run.stderr).toMatch(/access to .* refused|ACCESS_REFUSED|refused/);
       expect(await depthOf(admin.sourceUrl, park)).toBe(0);
-      const onTarget = (await takeAll(admin.targetUrl, target)).map((m) =>
-        String(m.properties.headers?._HQ_DUPL_ID),
-      );
-      const inSource = (await takeAll(admin.sourceUrl, source)).map((m) =>
-        String(m.properties.headers?._HQ_DUPL_ID),
-      );
+      const onTarget = idsOf(await takeAll(admin.targetUrl, target));
+      const inSource = idsOf(await takeAll(admin.sourceUrl, source));
       const onTargetSet = new Set(onTarget);
       const count = countDelivery('permission revoked, target + source', ids, [
         ...new Set(onTarget),

@@ -4,7 +4,10 @@ import { FaultProxy } from '../harness/proxy.js';
 import { freePort } from '../harness/servers.js';
 import {
   countDelivery,
+  delivered,
   depthOf,
+  idsOf,
+  numbered,
   openBroker,
   publishAll,
   queuePair,
@@ -17,24 +20,17 @@ import {
   withOption,
 } from '../helpers.js';
 
-function batch(from: number, to: number, prefix = 'id') {
-  return Array.from({ length: to - from }, (_, i) => ({
-    body: `body-${from + i}`,
-    options: { headers: { _HQ_DUPL_ID: `${prefix}-${from + i}` } },
-  }));
-}
-
 describe('dedup-bridge run', () => {
   it('forwards while producers publish, and SIGTERM mid-transfer finishes in-flight work: source + target hold each message once', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const total = 15_000;
-    await publishAll(sourceUrl, source, batch(0, total));
+    await publishAll(sourceUrl, source, numbered('id', total).messages);
     const bridge = startCli(runArgs(source, ['--target-queue', target], '--prefetch', '500'));
     // The target's depth read cheaply (a passive declare on one open channel), to stop mid-way.
     const probe = await openBroker(targetUrl);
     let atSignal = 0;
     try {
-      await publishAll(sourceUrl, source, batch(0, 500)); // resent while the bridge runs
+      await publishAll(sourceUrl, source, numbered('id', 500).messages); // resent while the bridge runs
       expect(
         await waitFor(
           async () => (await probe.channel.checkQueue(target)).messageCount >= total * 0.15,
@@ -52,17 +48,14 @@ describe('dedup-bridge run', () => {
     expect(result.code).toBe(0);
     expect(result.stdout).toContain('"msg":"stopped"');
     // Every message is in exactly one place: forwarded and acked, or still in the source queue.
-    const onTarget = (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID));
-    const leftInSource = (await takeAll(sourceUrl, source)).map((m) =>
-      String(m.properties.headers?._HQ_DUPL_ID),
-    );
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    const leftInSource = idsOf(await takeAll(sourceUrl, source));
     const onTargetSet = new Set(onTarget);
     const onlyInSource = new Set(leftInSource.filter((id) => !onTargetSet.has(id)));
-    const count = countDelivery(
-      'run stopped mid-transfer, target + source',
-      batch(0, total).map((m) => m.options.headers._HQ_DUPL_ID),
-      [...onTarget, ...onlyInSource],
-    );
+    const count = countDelivery('run stopped mid-transfer, target + source', numbered('id', total).ids, [
+      ...onTarget,
+      ...onlyInSource,
+    ]);
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     // An ID both forwarded and still in the source can only be a resent copy (IDs 0-499).
     const inBoth = leftInSource.filter((id) => onTargetSet.has(id));
@@ -77,7 +70,7 @@ describe('dedup-bridge run', () => {
       startCli(runArgs(source, ['--target-queue', target], '--prefetch', '50')),
     );
     // Every message is published three times, so the replicas race for the same IDs.
-    const messages = batch(0, 2000);
+    const { ids, messages } = numbered('id', 2000);
     await Promise.all([
       publishAll(sourceUrl, source, messages),
       publishAll(sourceUrl, source, messages),
@@ -87,12 +80,7 @@ describe('dedup-bridge run', () => {
     for (const replica of replicas) replica.signal('SIGTERM');
     const results = await Promise.all(replicas.map((replica) => replica.done));
     expect(results.map((result) => result.code)).toEqual([0, 0, 0]);
-    const arrived = await takeAll(targetUrl, target);
-    const count = countDelivery(
-      'three replicas, every message sent 3x',
-      messages.map((m) => m.options.headers._HQ_DUPL_ID),
-      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
+    const { count } = await delivered('three replicas, every message sent 3x', targetUrl, target, ids);
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
   });
 
@@ -104,7 +92,7 @@ describe('dedup-bridge run', () => {
     const bridge = startCli(
       runArgs(source, ['--target-exchange', exchange, '--target-routing-key', 'orders']),
     );
-    await publishAll(sourceUrl, source, batch(0, 20));
+    await publishAll(sourceUrl, source, numbered('id', 20).messages);
     // Held unacked by the bridge and retried by it (no longer returned to the source: issue 34).
     expect(await waitFor(() => bridge.output().includes('the bridge holds it unacked and retries it'))).toBe(
       true,
@@ -147,7 +135,7 @@ describe('dedup-bridge run', () => {
       );
       expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'))).toBe(true);
       proxy.setMode('blackhole');
-      await publishAll(sourceUrl, source, batch(0, 5));
+      await publishAll(sourceUrl, source, numbered('id', 5).messages);
       expect(await waitFor(async () => (await depthOf(sourceUrl, source)) === 0)).toBe(true);
       bridge.signal('SIGINT');
       expect(await waitFor(() => bridge.output().includes('stopping: finishing in-flight messages'))).toBe(
@@ -179,12 +167,12 @@ describe('dedup-bridge run', () => {
       withOption(runArgs(source, ['--target-queue', target]), '--redis', url.toString()),
     );
     try {
-      await publishAll(sourceUrl, source, batch(0, 100));
+      await publishAll(sourceUrl, source, numbered('id', 100).messages);
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 100)).toBe(true);
       // The password is rotated in Redis but not in the bridge's URL, and its connection dropped.
       await admin.call('ACL', 'SETUSER', user, 'resetpass', '>rotated-Secret-2');
       await admin.call('CLIENT', 'KILL', 'USER', user);
-      await publishAll(sourceUrl, source, batch(100, 200));
+      await publishAll(sourceUrl, source, numbered('id', 100, 100).messages);
       // The refusal is said, and the bridge has taken the new messages and holds them: a claim
       // failed, nothing was forwarded without Redis, and they wait unacked in the source.
       const said = () =>
@@ -208,10 +196,11 @@ describe('dedup-bridge run', () => {
       expect(held, held.join('\n')).toHaveLength(1);
       expect(lines.filter((line) => line.includes('Redis answers again'))).toHaveLength(1);
       expect(result.stdout + result.stderr).not.toContain(password);
-      const count = countDelivery(
+      const { count } = await delivered(
         'Redis password rotated mid-run, then restored',
-        batch(0, 200).map((m) => m.options.headers._HQ_DUPL_ID),
-        (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+        targetUrl,
+        target,
+        numbered('id', 200).ids,
       );
       expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
       expect(await depthOf(sourceUrl, source)).toBe(0);

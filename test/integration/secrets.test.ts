@@ -7,6 +7,8 @@ import { newRunDir, RedisServer } from '../harness/servers.js';
 import {
   declareQueue,
   depthOf,
+  expectNoSecret,
+  numbered,
   publishAll,
   runCli,
   startCli,
@@ -32,20 +34,7 @@ function newSecret(): Secret {
   return { text: `${a}?${b}#${c}@${d}/${e}`, pieces };
 }
 
-function expectNoSecret(output: string, secrets: Secret[]): void {
-  for (const secret of secrets) {
-    for (const piece of secret.pieces) expect(output, `"${piece}" printed`).not.toContain(piece);
-  }
-}
-
 const MESSAGES = 20;
-
-function messages(prefix: string) {
-  return Array.from({ length: MESSAGES }, (_, n) => ({
-    body: `${prefix}-${n}`,
-    options: { headers: { _HQ_DUPL_ID: `${prefix}-${n}` } },
-  }));
-}
 
 describe('passwords are never printed, however they are given', () => {
   let admin: AdminServers;
@@ -97,7 +86,7 @@ describe('passwords are never printed, however they are given', () => {
     const to = uniqueName('sec-dst');
     await declareQueue(admin.sourceUrl, from);
     await declareQueue(admin.targetUrl, to);
-    await publishAll(admin.sourceUrl, from, messages(from));
+    await publishAll(admin.sourceUrl, from, numbered(from, MESSAGES).messages);
     return { from, to };
   }
 
@@ -148,9 +137,7 @@ describe('passwords are never printed, however they are given', () => {
     expect(result.code, result.stderr).toBe(0);
     expect(await depthOf(admin.sourceUrl, from)).toBe(0);
     expect((await takeAll(admin.targetUrl, to)).map((m) => m.content.toString()).sort()).toEqual(
-      messages(from)
-        .map((m) => m.body)
-        .sort(),
+      [...numbered(from, MESSAGES).ids].sort(),
     );
     expectNoSecret(result.stdout + result.stderr + readFileSync(report, 'utf8'), all);
   });
@@ -337,7 +324,7 @@ describe('passwords are never printed, however they are given', () => {
   it('refusals and unreachable servers: one line each, no part of any password', async () => {
     const from = uniqueName('sec-src');
     await declareQueue(admin.sourceUrl, from);
-    await publishAll(admin.sourceUrl, from, messages(from));
+    await publishAll(admin.sourceUrl, from, numbered(from, MESSAGES).messages);
     const port = Number(new URL(admin.sourceUrl).port);
     const wrong = wrongSecret.text;
     const enc = encodeURIComponent;

@@ -2,14 +2,14 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { startTlsServers, type TlsServers } from '../harness/tls.js';
 import {
   type CliResult,
-  countDelivery,
   declareQueue,
+  delivered,
   depthOf,
+  numbered,
   publishAll,
   runCli,
   servers,
   startCli,
-  takeAll,
   uniqueName,
   waitFor,
 } from '../helpers.js';
@@ -47,20 +47,13 @@ function tlsFlags(side: 'source' | 'target' | 'redis', ca = tls.certs.ca): strin
   ];
 }
 
-function batch(from: number, to: number) {
-  return Array.from({ length: to - from }, (_, i) => ({
-    body: `body-${from + i}`,
-    options: { headers: { _HQ_DUPL_ID: `tls-${from + i}` } },
-  }));
-}
-
 /** A source and a target queue on the TLS node, with `count` messages waiting in the source. */
 async function tlsQueues(count: number): Promise<{ source: string; target: string }> {
   const source = uniqueName('tls-src');
   const target = uniqueName('tls-dst');
   await declareQueue(plainAmqp(), source);
   await declareQueue(plainAmqp(), target);
-  if (count > 0) await publishAll(plainAmqp(), source, batch(0, count));
+  if (count > 0) await publishAll(plainAmqp(), source, numbered('tls', count).messages);
   return { source, target };
 }
 
@@ -107,7 +100,7 @@ async function bridgeConnections(): Promise<string[]> {
 describe('TLS (amqps:// and rediss://)', () => {
   it('run forwards over amqps on both sides and rediss with the right CA, through the TLS listener only', async () => {
     const { source, target } = await tlsQueues(300);
-    await publishAll(plainAmqp(), source, batch(0, 100)); // resent: must not arrive twice
+    await publishAll(plainAmqp(), source, numbered('tls', 100).messages); // resent: must not arrive twice
     const bridge = startCli(tlsRunArgs(source, target));
     expect(await waitFor(async () => (await depthOf(plainAmqp(), source)) === 0)).toBe(true);
     // The node also listens plain; the bridge's two connections are on the TLS port.
@@ -117,11 +110,11 @@ describe('TLS (amqps:// and rediss://)', () => {
     ]);
     bridge.signal('SIGTERM');
     expect((await bridge.done).code).toBe(0);
-    const arrived = await takeAll(plainAmqp(), target);
-    const count = countDelivery(
+    const { count } = await delivered(
       'run over TLS, 300 + 100 resent',
-      batch(0, 300).map((m) => m.options.headers._HQ_DUPL_ID),
-      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
+      plainAmqp(),
+      target,
+      numbered('tls', 300).ids,
     );
     expect(count).toMatchObject({ received: 300, lost: 0, duplicated: 0, unexpected: 0 });
 
@@ -146,12 +139,7 @@ describe('TLS (amqps:// and rediss://)', () => {
     ]);
     expect(result.stderr).not.toContain('dedup-bridge:');
     expect(result.code).toBe(0);
-    const arrived = await takeAll(plainAmqp(), target);
-    const count = countDelivery(
-      'migrate over TLS',
-      batch(0, 100).map((m) => m.options.headers._HQ_DUPL_ID),
-      arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
+    const { count } = await delivered('migrate over TLS', plainAmqp(), target, numbered('tls', 100).ids);
     expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
     await expect(depthOf(plainAmqp(), source)).rejects.toThrow(/NOT_FOUND/);
   });
@@ -161,7 +149,7 @@ describe('TLS (amqps:// and rediss://)', () => {
     const target = uniqueName('tls-declared');
     const shape = { 'x-dead-letter-exchange': 'dlx', 'x-max-priority': 3 };
     await declareQueue(plainAmqp(), source, { arguments: shape });
-    await publishAll(plainAmqp(), source, batch(0, 20));
+    await publishAll(plainAmqp(), source, numbered('tls', 20).messages);
     const management = (host = '127.0.0.1') => `https://guest:guest@${host}:${tls.managementTlsPort}`;
     const migrate = (...extra: string[]) =>
       runCli([
@@ -202,14 +190,13 @@ describe('TLS (amqps:// and rediss://)', () => {
     expect(await depthOf(plainAmqp(), source)).toBe(0);
     // Declared like its source (the same arguments are accepted), and holding every message.
     await declareQueue(plainAmqp(), target, { arguments: shape });
-    const arrived = await takeAll(plainAmqp(), target);
-    expect(
-      countDelivery(
-        'declared through the https management API',
-        batch(0, 20).map((m) => m.options.headers._HQ_DUPL_ID),
-        arrived.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-      ),
-    ).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered(
+      'declared through the https management API',
+      plainAmqp(),
+      target,
+      numbered('tls', 20).ids,
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
   });
 
   it('a CA that did not sign the server certificate is refused at once: one line, exit 2, nothing moved', async () => {

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import {
-  countDelivery,
   declareQueue,
+  delivered,
   depthOf,
   migrateArgs,
   migrateWithReport,
@@ -53,17 +53,6 @@ async function setup(sourceOptions: Record<string, unknown> = {}) {
     })),
   );
   return { sourceUrl, targetUrl, source, target, exchange };
-}
-
-/** Takes every message from a queue and counts it against `expected` by `_HQ_DUPL_ID`. */
-async function delivered(label: string, url: string, queue: string, expected: string[]) {
-  const messages = await takeAll(url, queue);
-  const count = countDelivery(
-    label,
-    expected,
-    messages.map((message) => String(message.properties.headers?._HQ_DUPL_ID)),
-  );
-  return { messages, count };
 }
 
 const exactly = (n: number) => ({ expected: n, received: n, lost: 0, duplicated: 0, unexpected: 0 });

@@ -3,18 +3,17 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { documentedAcl, forTest, notRefused, refusalsOf } from '../documented-grants.js';
 import { cli, RedisClusterSet, RedisSentinelSet } from '../harness/redis-topologies.js';
 import {
-  countDelivery,
+  delivered,
   depthOf,
-  idText,
   migrateArgs,
+  numbered,
   publishAll,
   queuePair,
   runCli,
   startCli,
-  takeAll,
   waitFor,
 } from '../helpers.js';
-import { numbered, onRedis } from './topo-helpers.js';
+import { onRedis } from './topo-helpers.js';
 
 // The users of README's "Redis ACL" lines, with the default --redis-prefix (dedup) they are written for.
 const PASSWORD = 'acl-topology';
@@ -31,9 +30,6 @@ async function createUser(port: number, user: string, lines: { rules: string[] }
 
 /** A URL's scheme with the user and password put in front of its hosts. */
 const withUser = (url: string, user: string) => url.replace('://', `://${user}:${PASSWORD}@`);
-
-const idsOf = (received: { properties: { headers?: Record<string, unknown> } }[]) =>
-  received.map((message) => idText(message.properties.headers?._HQ_DUPL_ID));
 
 describe('the documented Redis ACL on a Sentinel set, sentinels restricted too', () => {
   let set: RedisSentinelSet;
@@ -97,8 +93,8 @@ describe('the documented Redis ACL on a Sentinel set, sentinels restricted too',
     expect(stopped.code, stopped.stderr).toBe(0);
     expect(stopped.stderr).toBe('');
     expect(subscribers).toEqual(set.sentinels.map(() => 'subscribed'));
-    const delivered = countDelivery('acl sentinel', ids, idsOf(await takeAll(targetUrl, target)));
-    expect(delivered).toMatchObject({ received: 200, lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered('acl sentinel', targetUrl, target, ids);
+    expect(count).toMatchObject({ received: 200, lost: 0, duplicated: 0, unexpected: 0 });
     expect(await depthOf(sourceUrl, source)).toBe(0);
 
     // Nothing the bridge sent to the data nodes was refused.
@@ -176,8 +172,8 @@ describe('the documented Redis ACL on a Redis Cluster', () => {
     const migrate = await runCli(args(user));
     expect(migrate.stderr).toBe('');
     expect(migrate.code).toBe(0);
-    const delivered = countDelivery('acl cluster', ids, idsOf(await takeAll(targetUrl, target)));
-    expect(delivered).toMatchObject({ received: 300, lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered('acl cluster', targetUrl, target, ids);
+    expect(count).toMatchObject({ received: 300, lost: 0, duplicated: 0, unexpected: 0 });
 
     const stats = await runCli([
       'cache',

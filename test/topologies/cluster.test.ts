@@ -10,9 +10,11 @@ import {
   clearOfSliceEnd,
   countDelivery,
   declareQueue,
+  delivered,
   depthOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   openBroker,
   publishAll,
   queuePair,
@@ -23,7 +25,7 @@ import {
   uniqueName,
   waitFor,
 } from '../helpers.js';
-import { extraCopies, numbered, onRedis } from './topo-helpers.js';
+import { extraCopies, onRedis } from './topo-helpers.js';
 
 describe('Redis Cluster (three masters, one replica each)', () => {
   let cluster: RedisClusterSet;
@@ -55,12 +57,8 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     expect(first.stderr).not.toMatch(/CROSSSLOT|error/i);
     expect(first.code).toBe(0);
     expect(first.report).toMatchObject({ forwarded: 1000, duplicates: 0 });
-    const delivered = countDelivery(
-      'cluster first run',
-      ids,
-      (await takeAll(targetUrl, target)).map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
-    expect(delivered).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    const { count } = await delivered('cluster first run', targetUrl, target, ids);
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
 
     // The same messages again: every ID is found in the Cluster, nothing is forwarded.
     await publishAll(sourceUrl, source, messages);
@@ -159,13 +157,8 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     expect(await depthOf(sourceUrl, source)).toBe(0);
     expect(JSON.parse(readFileSync(reportPath, 'utf8'))).toMatchObject({ accounted: true });
 
-    const received = await takeAll(targetUrl, target);
-    const delivered = countDelivery(
-      'cluster failover',
-      ids,
-      received.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
-    expect(delivered).toMatchObject({ lost: 0, unexpected: 0 });
+    const { messages: received, count } = await delivered('cluster failover', targetUrl, target, ids);
+    expect(count).toMatchObject({ lost: 0, unexpected: 0 });
     // Counted on the target: a copy beyond the first is flagged, and at most one window of them.
     const extra = extraCopies(received);
     expect(extra.unflagged, 'every extra copy during the failover is flagged in-doubt').toBe(0);
@@ -188,7 +181,7 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     expect(again).toHaveLength(forgotten);
     expect(resend.report).toMatchObject({ forwarded: forgotten, duplicates: total - forgotten });
     process.stdout.write(
-      `cluster failover figures: ${total} messages · master ${victim} killed after ${depthAtKill} forwarded · forwarding resumed after ${(resumedAfter / 1000).toFixed(1)}s · lost ${delivered.lost} · duplicated ${delivered.duplicated} (${flagged} flagged in-doubt) · IDs forgotten (forwarded again when resent) ${forgotten}\n`,
+      `cluster failover figures: ${total} messages · master ${victim} killed after ${depthAtKill} forwarded · forwarding resumed after ${(resumedAfter / 1000).toFixed(1)}s · lost ${count.lost} · duplicated ${count.duplicated} (${flagged} flagged in-doubt) · IDs forgotten (forwarded again when resent) ${forgotten}\n`,
     );
   });
 });

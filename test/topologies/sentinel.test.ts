@@ -4,10 +4,11 @@ import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { RedisSentinelSet } from '../harness/redis-topologies.js';
 import {
-  countDelivery,
+  delivered,
   depthOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   publishAll,
   queuePair,
   runCli,
@@ -15,7 +16,7 @@ import {
   takeAll,
   waitFor,
 } from '../helpers.js';
-import { extraCopies, numbered, onRedis } from './topo-helpers.js';
+import { extraCopies, onRedis } from './topo-helpers.js';
 
 const TOTAL = 3000;
 
@@ -61,14 +62,9 @@ describe('Redis Sentinel (master, replica, three sentinels)', () => {
     const report = JSON.parse(readFileSync(reportPath, 'utf8')) as Record<string, unknown>;
     expect(report).toMatchObject({ accounted: true });
 
-    const received = await takeAll(targetUrl, target);
-    const delivered = countDelivery(
-      'sentinel failover',
-      ids,
-      received.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-    );
-    expect(delivered.lost).toBe(0);
-    expect(delivered.unexpected).toBe(0);
+    const { messages: received, count } = await delivered('sentinel failover', targetUrl, target, ids);
+    expect(count.lost).toBe(0);
+    expect(count.unexpected).toBe(0);
     // Counted on the target: a copy beyond the first is flagged, and at most one window of them.
     const extra = extraCopies(received);
     expect(extra.unflagged, 'every extra copy during the failover is flagged in-doubt').toBe(0);
@@ -92,7 +88,7 @@ describe('Redis Sentinel (master, replica, three sentinels)', () => {
     // And on the target: exactly the forgotten ones arrived again.
     expect(await takeAll(targetUrl, target)).toHaveLength(forgotten);
     process.stdout.write(
-      `failover figures: ${TOTAL} messages · master killed after ${depthAtKill} forwarded · replica promoted after ${(promotedAfter / 1000).toFixed(1)}s · forwarding resumed after ${(resumedAfter / 1000).toFixed(1)}s · lost ${delivered.lost} · duplicated during the transfer ${delivered.duplicated} (${flagged} flagged in-doubt) · IDs forgotten by the failover ${forgotten} (forwarded again when resent: ${Number(resend.report?.forwarded)})\n`,
+      `failover figures: ${TOTAL} messages · master killed after ${depthAtKill} forwarded · replica promoted after ${(promotedAfter / 1000).toFixed(1)}s · forwarding resumed after ${(resumedAfter / 1000).toFixed(1)}s · lost ${count.lost} · duplicated during the transfer ${count.duplicated} (${flagged} flagged in-doubt) · IDs forgotten by the failover ${forgotten} (forwarded again when resent: ${Number(resend.report?.forwarded)})\n`,
     );
   });
 });

@@ -4,10 +4,11 @@ import { join } from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
 import { RedisClusterSet } from '../harness/redis-topologies.js';
 import {
-  countDelivery,
+  delivered,
   depthOf,
   migrateArgs,
   migrateWithReport,
+  numbered,
   publishAll,
   queuePair,
   type RunningCli,
@@ -16,7 +17,7 @@ import {
   waitFor,
 } from '../helpers.js';
 import { clusterInSync, logCount, ProxiedSentinelSet, replicaOf } from './replica-link.js';
-import { numbered, onRedis } from './topo-helpers.js';
+import { onRedis } from './topo-helpers.js';
 
 const BEHIND = 'Redis replicas behind; holding acks';
 const CAUGHT_UP = 'Redis replicas caught up; acking again';
@@ -34,13 +35,8 @@ function reportPath(): string {
 }
 
 /** What reached the target, by ID: lost, duplicated (and how many of those unflagged), unexpected. */
-async function delivered(label: string, targetUrl: string, target: string, ids: string[]) {
-  const received = await takeAll(targetUrl, target);
-  const count = countDelivery(
-    label,
-    ids,
-    received.map((m) => String(m.properties.headers?._HQ_DUPL_ID)),
-  );
+async function landed(label: string, targetUrl: string, target: string, ids: string[]) {
+  const { messages: received, count } = await delivered(label, targetUrl, target, ids);
   const flagged = received.filter((m) => m.properties.headers?.['x-dedup-in-doubt'] !== undefined).length;
   return { ...count, flagged, unflagged: count.duplicated - flagged };
 }
@@ -79,7 +75,7 @@ describe('--redis-wait-replicas under Sentinel, the replica cut off before its m
     const ended = await bridge.done;
     expect(ended.code, ended.stderr).toBe(0);
     expect(logCount(ended.stdout, BEHIND)).toBe(0);
-    const first = await delivered('sentinel cut, no wait', targetUrl, target, ids);
+    const first = await landed('sentinel cut, no wait', targetUrl, target, ids);
     expect(first).toMatchObject({ lost: 0, unexpected: 0 });
 
     await publishAll(sourceUrl, source, messages);
@@ -145,7 +141,7 @@ describe('--redis-wait-replicas under Sentinel, the replica cut off before its m
     expect(logCount(ended.stdout, BEHIND)).toBe(1);
     expect(logCount(ended.stdout, CAUGHT_UP)).toBe(1);
     expect(JSON.parse(readFileSync(report, 'utf8'))).toMatchObject({ accounted: true, forwarded: TOTAL });
-    const first = await delivered('sentinel cut, wait 1', targetUrl, target, ids);
+    const first = await landed('sentinel cut, wait 1', targetUrl, target, ids);
     expect(first).toMatchObject({ lost: 0, unexpected: 0, unflagged: 0 });
 
     await publishAll(sourceUrl, source, messages);
@@ -212,7 +208,7 @@ describe('--redis-wait-replicas on a Redis Cluster', () => {
     expect(await waitFor(() => logCount(running.output(), CAUGHT_UP) === 2, 30_000)).toBe(true);
     const ended = await running.done;
     expect(ended.code, ended.stderr).toBe(0);
-    const first = await delivered('cluster, wait 1', targetUrl, target, ids);
+    const first = await landed('cluster, wait 1', targetUrl, target, ids);
     expect(first).toMatchObject({ lost: 0, unexpected: 0, unflagged: 0 });
 
     await publishAll(sourceUrl, source, messages);

@@ -6,17 +6,9 @@ import { resolveMigrateSettings } from '../../src/config/migrate-settings.js';
 import { passwordOf, redactSecrets, redactUrl, secretsOf } from '../../src/config/redact.js';
 import { DEFAULTS, type RawOptions, resolveBridgeSettings } from '../../src/config/settings.js';
 import { ConfigError } from '../../src/errors.js';
+import { catchError } from '../helpers.js';
 
 const SECRET = 'hunter2-Sup3rSecret';
-
-function catchError(fn: () => unknown): unknown {
-  try {
-    fn();
-  } catch (error) {
-    return error;
-  }
-  throw new Error('expected the function to throw');
-}
 
 /** The ConfigError that fn throws; fails the test when it throws anything else or nothing. */
 function configError(fn: () => unknown): ConfigError {

@@ -42,6 +42,7 @@ import {
   float32Bits,
   float64,
   float64Bits,
+  hex,
   int8,
   int16,
   int32,
@@ -69,11 +70,6 @@ const amqplibDefs = require(join(amqplibLib, 'defs.js')) as {
   decode(id: number, bytes: Buffer): MessageProperties;
 };
 const BASIC_CLASS = 60;
-
-/** Bytes from hex, spaces allowed. */
-function hex(text: string): Buffer {
-  return Buffer.from(text.replace(/\s+/g, ''), 'hex');
-}
 
 /** Byte-for-byte equality, shown as hex when it fails. */
 function expectBytes(actual: Buffer, expected: Buffer): void {

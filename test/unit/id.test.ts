@@ -16,6 +16,7 @@ import {
 } from '../../src/dedup/id.js';
 import { ConfigError } from '../../src/errors.js';
 import { ContentHeader } from '../../src/wire/properties.js';
+import { catchError } from '../helpers.js';
 import {
   array,
   type BasicProperties,
@@ -27,6 +28,7 @@ import {
   float32,
   float64,
   float64Bits,
+  hex,
   int8,
   int16,
   int32,
@@ -98,19 +100,6 @@ function keyOfHeader(value: Buffer): string {
 /** The `_HQ_DUPL_ID` value the bridge writes for an ID from the message ID or the content. */
 function keyAsValue(key: string): Buffer {
   return longString(key);
-}
-
-function hex(text: string): Buffer {
-  return Buffer.from(text.replace(/\s+/g, ''), 'hex');
-}
-
-function catchError(fn: () => unknown): unknown {
-  try {
-    fn();
-  } catch (error) {
-    return error;
-  }
-  throw new Error('expected the function to throw');
 }
 
 describe('parseIdFrom', () => {
