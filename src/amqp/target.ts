@@ -280,10 +280,10 @@ export class TargetPublisher implements Target {
     }
     if (answer === 'too-large') this.suspects.set(publish.id, true);
     if (answer !== 'killed') return answer;
-    if (!alone) {
-      this.suspects.set(publish.id, true);
-      return 'unknown';
-    }
+    // Its retry, or a copy redelivered, goes alone again: were it tried at a size proven since,
+    // on the ordinary channel, it would close that one and put every publish in flight in doubt.
+    this.suspects.set(publish.id, true);
+    if (!alone) return 'unknown';
     const refusal = refusalOfClose(publish.refusal);
     publish.refusal = refusal.detail;
     return refusal.sizeLimit === undefined ? 'rejected' : 'too-large';
