@@ -310,8 +310,10 @@ export class TargetPublisher implements Target {
     this.behindTrial = [];
     // After every publish before it was answered: the broker runs each channel on its own, so a
     // message on the trial channel could otherwise be stored ahead of earlier ones.
+    // Then in turn with the suspects: one publish at a time on the trial channel, so that a close
+    // there is the doing of the one message on it (see sorted).
     void this.quiet()
-      .then(() => this.publishAlone(publish))
+      .then(() => this.alone(() => this.publishAlone(publish)))
       .then((outcome) => {
         const waiting = this.behindTrial ?? [];
         this.behindTrial = undefined;
