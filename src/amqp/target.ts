@@ -283,7 +283,11 @@ export class TargetPublisher implements Target {
     // Its retry, or a copy redelivered, goes alone again: were it tried at a size proven since,
     // on the ordinary channel, it would close that one and put every publish in flight in doubt.
     this.suspects.set(publish.id, true);
-    if (!alone) return 'unknown';
+    if (!alone) {
+      // The broker's words may be about another message: not this one's refusal, if it gets one.
+      publish.refusal = undefined;
+      return 'unknown';
+    }
     const refusal = refusalOfClose(publish.refusal);
     publish.refusal = refusal.detail;
     return refusal.sizeLimit === undefined ? 'rejected' : 'too-large';
