@@ -280,8 +280,12 @@ export class TargetPublisher implements Target {
     }
     if (answer === 'too-large') this.suspects.set(publish.id, true);
     if (answer !== 'killed') return answer;
+    // Its retry, or a copy redelivered, goes alone again: were it tried at a size proven since,
+    // on the ordinary channel, it would close that one and put every publish in flight in doubt.
+    this.suspects.set(publish.id, true);
     if (!alone) {
-      this.suspects.set(publish.id, true);
+      // The broker's words may be about another message: not this one's refusal, if it gets one.
+      publish.refusal = undefined;
       return 'unknown';
     }
     const refusal = refusalOfClose(publish.refusal);
@@ -310,8 +314,10 @@ export class TargetPublisher implements Target {
     this.behindTrial = [];
     // After every publish before it was answered: the broker runs each channel on its own, so a
     // message on the trial channel could otherwise be stored ahead of earlier ones.
+    // Then in turn with the suspects: one publish at a time on the trial channel, so that a close
+    // there is the doing of the one message on it (see sorted).
     void this.quiet()
-      .then(() => this.publishAlone(publish))
+      .then(() => this.alone(() => this.publishAlone(publish)))
       .then((outcome) => {
         const waiting = this.behindTrial ?? [];
         this.behindTrial = undefined;
