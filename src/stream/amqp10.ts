@@ -8,8 +8,9 @@ import { BASIC_PROPERTIES, type ContentHeader, type PropertyName } from '../wire
  * message been published straight into the stream, and a stream-protocol consumer reads the very
  * bytes RabbitMQ would have written.
  *
- * The mapping is RabbitMQ's own (rabbit_msg_record of 3.9 to 3.12, learnt from its 3.10 source),
- * re-derived here, with the byte forms of its AMQP 1.0 generator (the compact encodings of small
+ * The mapping is RabbitMQ's own (rabbit_msg_record, the same in 3.9 and 3.10; 3.11 and 3.12 keep
+ * it and also take headers named x-amqp-1.0-* as whole AMQP 1.0 sections, which this encoder does
+ * not do), re-derived here and tested against 3.10.8, with the byte forms of its AMQP 1.0 generator (the compact encodings of small
  * integers, one-byte lengths below 255). Reading the stream back over 0-9-1, 3.10 turns each 1.0
  * value back into the 0-9-1 type it came from; the table says where that is not exact.
  *
@@ -28,10 +29,10 @@ import { BASIC_PROPERTIES, type ContentHeader, type PropertyName } from '../wire
  * | user-id                       | properties.user-id, binary                          | same               |
  * | app-id                        | application-properties x-basic-app-id, utf8         | same               |
  * | cluster-id                    | (not stored)                                        | absent (2)         |
- * | headers, in order, repeats too| application-properties, key utf8, after the two above| in order         |
+ * | headers, in order, repeats too| application-properties, key utf8, after the two above| in order (4)     |
  * |   S long string               |   utf8 (the bytes as they are, UTF-8 or not)        | S                  |
  * |   x byte array                |   binary                                            | x                  |
- * |   t boolean                   |   boolean (0x56 00/01; any non-zero octet is true)  | t 0 / t 1          |
+ * |   t boolean                   |   boolean (0x56 00/01; any non-zero octet is true)  | t 0 / t 1 (4)      |
  * |   b / B (signed/unsigned 8)   |   byte / ubyte                                      | b / B              |
  * |   s / u (signed/unsigned 16)  |   short / ushort                                    | s / u              |
  * |   I / i (signed/unsigned 32)  |   int / uint (compact forms for small values)       | I / i              |
@@ -48,13 +49,17 @@ import { BASIC_PROPERTIES, type ContentHeader, type PropertyName } from '../wire
  * its fields is set), application-properties (left out when empty), data. The properties section
  * is its full 13-field list, unset fields null, as RabbitMQ writes it.
  *
- * (1) A timestamp is stored in milliseconds as a signed 64-bit integer: one above 2^63 / 1000 s
- *     (year 292,471,208) wraps as it does in RabbitMQ, so it reads back as RabbitMQ's would.
+ * (1) A timestamp is stored in milliseconds as a signed 64-bit integer: from 2^63 / 1000 s on
+ *     (year 292,471,208) it wraps, modulo 2^64, as it does in RabbitMQ, so it reads back as
+ *     RabbitMQ's would (2^64 - 1 comes back whole, 2^63 as 0); `lost` names one that changes.
  * (2) RabbitMQ's own 0-9-1 publish into a stream loses these too; the encoder does the same, so
  *     what the consumer receives is what it would have received. `lost` lists them per message.
  * (3) A header with a decimal (or a NaN or infinite float) cannot be published into a stream over
  *     0-9-1 at all on 3.10 (see the codec test); such a message is refused here (UnencodableError),
  *     never stored in a form no 0-9-1 consumer could read.
+ * (4) RabbitMQ's own quirks, kept: a boolean octet other than 0/1 comes back as 1; a header
+ *     named x-basic-type or x-basic-app-id beside no such property is read back as that property
+ *     (and leaves the headers).
  *
  * Brokers from 3.13 on store and read streams through another mapping (mc_amqpl: type as a
  * message annotation, app-id as group-id, x- headers as annotations, a header section). These bytes
@@ -127,6 +132,11 @@ function fixed(code: number, size: number, write: (out: Buffer) => void): Buffer
 }
 
 const ubyte = (v: number) => Buffer.from([0x50, v]);
+
+/** What a timestamp (s) comes back as from 3.10, stored as ms in a signed 64-bit integer. */
+function roundTrip(seconds: bigint): bigint {
+  return BigInt.asUintN(64, BigInt.asIntN(64, seconds * 1000n) / 1000n);
+}
 
 /** Milliseconds as RabbitMQ's generator writes them: the low 64 bits, signed. */
 function timestamp(seconds: bigint): Buffer {
@@ -243,6 +253,9 @@ export function encodeMessage(header: ContentHeader, body: Buffer, options: Enco
   const contentType = short('contentType');
   const contentEncoding = short('contentEncoding');
   const stamp = header.has('timestamp') ? header.bytes.readBigUInt64BE(timestampAt(header)) : undefined;
+  if (stamp !== undefined && roundTrip(stamp) !== stamp) {
+    lost.push(`property timestamp (comes back as ${roundTrip(stamp)})`);
+  }
   const nul = Buffer.from([NULL]);
   const fields = [
     messageId === undefined ? nul : utf8(messageId),
@@ -275,6 +288,11 @@ export function encodeMessage(header: ContentHeader, body: Buffer, options: Enco
       const name = header.bytes.subarray(span.start + 1, span.valueAt);
       const [value] = decodeValue(header.bytes, span.valueAt, span.end);
       const encoded = headerValue(value, span.name);
+      if (value.type === 'T' && roundTrip(value.value) !== value.value) {
+        lost.push(
+          `header ${JSON.stringify(span.name)} (a timestamp that comes back as ${roundTrip(value.value)})`,
+        );
+      }
       if (encoded === null) {
         lost.push(`header ${JSON.stringify(span.name)} (${value.type === 'F' ? 'a table' : 'an array'})`);
         continue;
