@@ -49,12 +49,10 @@ export const Command = {
   Heartbeat: 0x0017,
 } as const;
 
-const COMMAND_NAMES = new Map<number, string>(Object.entries(Command).map(([name, key]) => [key, name]));
-
 const RESPONSE = 0x8000;
 
 /** The stream protocol's response codes, by number. */
-export const RESPONSE_CODES: Readonly<Record<number, string>> = {
+const RESPONSE_CODES: Readonly<Record<number, string>> = {
   1: 'OK',
   2: 'STREAM_DOES_NOT_EXIST',
   3: 'SUBSCRIPTION_ID_ALREADY_EXISTS',
@@ -76,18 +74,18 @@ export const RESPONSE_CODES: Readonly<Record<number, string>> = {
   19: 'NO_OFFSET',
 };
 
-export const OK = 0x01;
-export const AUTHENTICATION_FAILURE = 0x08;
-export const SASL_AUTHENTICATION_FAILURE_LOOPBACK = 0x0b;
+const OK = 0x01;
+const AUTHENTICATION_FAILURE = 0x08;
+const SASL_AUTHENTICATION_FAILURE_LOOPBACK = 0x0b;
 
 /** A code's name; one the table does not know is named by its number. */
-export function codeName(code: number): string {
+function codeName(code: number): string {
   return RESPONSE_CODES[code] ?? `UNKNOWN_CODE_0x${code.toString(16).padStart(2, '0')}`;
 }
 
 // ---- errors ----------------------------------------------------------------------------------
 
-export class StreamError extends Error {
+class StreamError extends Error {
   constructor(message: string, options?: { cause?: unknown }) {
     super(message, options);
     this.name = new.target.name;
@@ -113,10 +111,10 @@ export class StreamResponseError extends StreamError {
 export class StreamAuthenticationError extends StreamResponseError {}
 
 /** The connection is gone (closed by either side, cut, timed out); what was pending is lost. */
-export class StreamConnectionClosedError extends StreamError {}
+class StreamConnectionClosedError extends StreamError {}
 
 /** A request got no answer in time. */
-export class StreamTimeoutError extends StreamError {}
+class StreamTimeoutError extends StreamError {}
 
 /** A message or frame that the protocol cannot carry (too large for the negotiated frame max). */
 export class StreamFrameError extends StreamError {}
@@ -381,7 +379,7 @@ export interface PublishErrorEntry {
   codeName: string;
 }
 
-export interface Broker {
+interface Broker {
   reference: number;
   host: string;
   port: number;
@@ -1083,9 +1081,4 @@ function checkByteId(id: number, what: string): void {
 
 function isIp(host: string): boolean {
   return /^[\d.]+$/.test(host) || host.includes(':');
-}
-
-/** The command's name for a key (responses too), e.g. for logs. */
-export function commandName(key: number): string {
-  return COMMAND_NAMES.get(key & ~RESPONSE) ?? `0x${key.toString(16)}`;
 }

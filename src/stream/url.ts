@@ -19,8 +19,8 @@ export interface StreamEndpoint {
   tls: boolean;
 }
 
-export const STREAM_PORT = 5552;
-export const STREAM_TLS_PORT = 5551;
+const STREAM_PORT = 5552;
+const STREAM_TLS_PORT = 5551;
 
 const SCHEMES: Record<string, boolean> = { 'rabbitmq-stream:': false, 'rabbitmq-stream+tls:': true };
 

@@ -10,7 +10,7 @@ const LAYERS: readonly (readonly string[])[] = [
   ['src/migrate'],
   ['src/observe'],
   ['src/bridge', 'src/client'],
-  ['src/amqp', 'src/dedup'],
+  ['src/amqp', 'src/dedup', 'src/stream'],
   ['src/ports.ts'],
   ['src/wire'],
   ['src/config'],
