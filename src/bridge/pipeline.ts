@@ -7,7 +7,7 @@ import type { SourceQueue } from '../amqp/source.js';
 import type { PublishOutcome, TargetPublisher } from '../amqp/target.js';
 import { backoffDelay, sleep } from '../backoff.js';
 import type { IdStrategy } from '../config/id-from.js';
-import type { UnroutablePolicy } from '../config/settings.js';
+import type { UnforwardablePolicy } from '../config/settings.js';
 import type { ClaimState, CommitResult, DedupCache } from '../dedup/cache.js';
 import { deriveId } from '../dedup/id.js';
 import { ConfigError, describe, FatalConnectError } from '../errors.js';
@@ -45,7 +45,7 @@ interface RouteSettings {
   idFrom: readonly IdStrategy[];
   batchSize: number;
   leaseMs: number;
-  onUnroutable: UnroutablePolicy;
+  onUnforwardable: UnforwardablePolicy;
   parkQueue: string | undefined;
   /** Backoff before the bridge retries a message the target refused (it holds it meanwhile). */
   requeueDelay: { initialMs: number; maxMs: number };
@@ -767,9 +767,9 @@ export class Pipeline {
       this.perMessage.warn({ ...named, reason: why, detail }, `message refused: ${detail}`, `refused ${why}`);
     }
     this.failuresSinceProgress++;
-    const { onUnroutable, parkQueue } = this.settings;
+    const { onUnforwardable, parkQueue } = this.settings;
     const reason = detail === undefined ? why : `${why}: ${detail}`;
-    if (onUnroutable === 'park' && parkQueue !== undefined) {
+    if (onUnforwardable === 'park' && parkQueue !== undefined) {
       if (await this.source.park(entry.message, reason)) {
         this.counters.parked++;
         this.progress();
@@ -778,7 +778,7 @@ export class Pipeline {
         return;
       }
       this.perMessage.warn({ ...named, parkQueue }, 'parking failed; the message goes back to the source');
-    } else if (onUnroutable === 'dead-letter') {
+    } else if (onUnforwardable === 'dead-letter') {
       this.counters.deadLettered++;
       this.progress();
       this.perMessage.warn(

@@ -21,7 +21,7 @@ import {
   redisUrl,
   resolveBridgeSettings,
   SCOPE_PATTERN,
-  unroutablePolicy,
+  unforwardablePolicy,
 } from './settings.js';
 import { formatSize, parseSize } from './size.js';
 
@@ -154,7 +154,7 @@ const routeSettings = {
     .union([z.literal('auto'), whole(1, 1024)], { error: 'must be auto or a whole number from 1 to 1024' })
     .optional(),
   lease: duration.optional(),
-  onUnroutable: unroutablePolicy.optional(),
+  onUnforwardable: unforwardablePolicy.optional(),
   parkQueue: name.optional(),
   stripCc: z.boolean().optional(),
 };
@@ -257,12 +257,12 @@ const fileSchema = z
       }
 
       const merged = { ...file.defaults, ...item };
-      const onUnroutable = onUnroutableOf(merged);
-      if (onUnroutable === 'park' && merged.parkQueue === undefined) {
-        issue(['parkQueue'], 'onUnroutable park needs parkQueue (here or under defaults)');
+      const onUnforwardable = onUnforwardableOf(merged);
+      if (onUnforwardable === 'park' && merged.parkQueue === undefined) {
+        issue(['parkQueue'], 'onUnforwardable park needs parkQueue (here or under defaults)');
       }
-      if (merged.parkQueue !== undefined && onUnroutable !== 'park') {
-        issue(['parkQueue'], `cannot be combined with onUnroutable ${onUnroutable}`);
+      if (merged.parkQueue !== undefined && onUnforwardable !== 'park') {
+        issue(['parkQueue'], `cannot be combined with onUnforwardable ${onUnforwardable}`);
       }
       // Zod runs this check even when a field failed: skip what did not parse (already reported).
       const leaseMs = millis(merged.lease ?? DEFAULTS.lease);
@@ -283,8 +283,11 @@ function urlsOf(item: Broker): string[] {
 }
 
 /** A parkQueue alone implies the park policy, as --park-queue does. */
-function onUnroutableOf(settings: { onUnroutable?: string | undefined; parkQueue?: string | undefined }) {
-  return settings.onUnroutable ?? (settings.parkQueue !== undefined ? 'park' : DEFAULTS.onUnroutable);
+function onUnforwardableOf(settings: {
+  onUnforwardable?: string | undefined;
+  parkQueue?: string | undefined;
+}) {
+  return settings.onUnforwardable ?? (settings.parkQueue !== undefined ? 'park' : DEFAULTS.onUnforwardable);
 }
 
 /** `routes[2].target.exchange` from a zod path. */
@@ -364,7 +367,7 @@ const ROUTE_OPTIONS = [
   'batchSize',
   'cacheShards',
   'lease',
-  'onUnroutable',
+  'onUnforwardable',
   'parkQueue',
   'stripCc',
   'sourceCa',
@@ -424,7 +427,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
     batchSize: settings.batchSize?.toString(),
     cacheShards: settings.cacheShards?.toString(),
     lease: settings.lease,
-    onUnroutable: onUnroutableOf(settings),
+    onUnforwardable: onUnforwardableOf(settings),
     parkQueue: settings.parkQueue,
     stripCc: settings.stripCc,
     retryFor: file.retryFor,
@@ -443,7 +446,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
 }
 
 /**
- * Flags and environment over the file's one route. A flag naming the target or the unroutable
+ * Flags and environment over the file's one route. A flag naming the target or the unforwardable
  * policy replaces the file's whole choice, so that e.g. --target-exchange does not clash with the
  * file's target queue.
  */
@@ -454,8 +457,8 @@ function overlay(fromFile: RawOptions, flags: Partial<RawOptions>): RawOptions {
     base.targetExchange = undefined;
     base.targetRoutingKey = undefined;
   }
-  if (flags.onUnroutable !== undefined && flags.parkQueue === undefined) base.parkQueue = undefined;
-  if (flags.parkQueue !== undefined && flags.onUnroutable === undefined) base.onUnroutable = undefined;
+  if (flags.onUnforwardable !== undefined && flags.parkQueue === undefined) base.parkQueue = undefined;
+  if (flags.parkQueue !== undefined && flags.onUnforwardable === undefined) base.onUnforwardable = undefined;
   return { ...base, ...flags };
 }
 
@@ -548,7 +551,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         batchSize: settings.batchSize,
         cacheShards: settings.cacheShards,
         lease: formatDuration(settings.leaseMs),
-        onUnroutable: settings.onUnroutable,
+        onUnforwardable: settings.onUnforwardable,
         parkQueue: settings.parkQueue,
         stripCc: settings.stripCc || undefined,
       });

@@ -8,8 +8,13 @@ import { parseRedisUrl } from './redis-url.js';
 import { parseSize } from './size.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
-/** What the bridge does with a message the target cannot route (--on-unroutable). */
-export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
+/**
+ * What the bridge does with each message it cannot forward (--on-unforwardable): unroutable at the
+ * target, nacked or refused by it, too large for it, without an ID, with an unreadable header, or
+ * a loop back into its own source. `retry` holds it unacked and tries it again after a backoff
+ * (one that can never go, without an ID say, stays held until the route stops).
+ */
+export type UnforwardablePolicy = 'park' | 'dead-letter' | 'retry';
 
 /** The defaults, documented in docs/cli.md; change both together. */
 export const DEFAULTS = {
@@ -24,7 +29,7 @@ export const DEFAULTS = {
   batchSize: 200,
   cacheShards: 'auto',
   lease: '15s',
-  onUnroutable: 'requeue' as UnroutablePolicy,
+  onUnforwardable: 'retry' as UnforwardablePolicy,
   requeueDelay: '1s',
   requeueDelayMax: '30s',
   shutdownTimeout: '30s',
@@ -53,7 +58,7 @@ export interface RawOptions extends TlsRawOptions {
   batchSize?: string;
   cacheShards?: string;
   lease?: string;
-  onUnroutable?: string;
+  onUnforwardable?: string;
   parkQueue?: string;
   stripCc?: boolean;
   retryFor?: string;
@@ -119,7 +124,7 @@ export interface BridgeSettings {
   /** Slot shards of a new scope (see DedupCache); 'auto' is 16 on a Redis Cluster, else 1. */
   cacheShards: number | 'auto';
   leaseMs: number;
-  onUnroutable: UnroutablePolicy;
+  onUnforwardable: UnforwardablePolicy;
   parkQueue: string | undefined;
   /**
    * Remove the `CC` and `BCC` headers on forward: RabbitMQ routes a copy to each routing key they
@@ -153,7 +158,7 @@ const FLAG: Record<string, string> = {
   maxInFlightBytes: '--max-in-flight-bytes (or DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES)',
   batchSize: '--batch-size',
   cacheShards: '--cache-shards',
-  onUnroutable: '--on-unroutable',
+  onUnforwardable: '--on-unforwardable',
   parkQueue: '--park-queue',
   logLevel: '--log-level',
 };
@@ -240,8 +245,8 @@ export const name = z
   .refine((value) => Buffer.byteLength(value) <= 255, 'is longer than 255 bytes');
 // '' is the default exchange.
 export const exchangeName = z.string().refine((value) => Buffer.byteLength(value) <= 255, 'is too long');
-export const unroutablePolicy = z.enum(['requeue', 'dead-letter', 'park'], {
-  error: 'must be requeue, dead-letter or park',
+export const unforwardablePolicy = z.enum(['retry', 'dead-letter', 'park'], {
+  error: 'must be retry, dead-letter or park',
 });
 export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
 /** The most replicas --redis-wait-replicas may ask for (a Redis master with more is unusual). */
@@ -278,7 +283,7 @@ const rawSchema = z
     cacheShards: z.union([z.literal('auto'), count(1, 1024)], {
       error: 'must be auto or a whole number from 1 to 1024',
     }),
-    onUnroutable: unroutablePolicy,
+    onUnforwardable: unforwardablePolicy,
     parkQueue: name.optional(),
     logLevel: z.enum(LOG_LEVELS as [LogLevel, ...LogLevel[]], {
       error: `must be one of ${LOG_LEVELS.join(', ')}`,
@@ -306,18 +311,18 @@ const rawSchema = z
         message: 'goes with --target-exchange; with --target-queue the routing key is the queue name',
       });
     }
-    if (options.onUnroutable === 'park' && options.parkQueue === undefined) {
+    if (options.onUnforwardable === 'park' && options.parkQueue === undefined) {
       ctx.addIssue({
         code: 'custom',
         path: ['parkQueue'],
-        message: '--on-unroutable park needs --park-queue <name>',
+        message: '--on-unforwardable park needs --park-queue <name>',
       });
     }
-    if (options.parkQueue !== undefined && options.onUnroutable !== 'park') {
+    if (options.parkQueue !== undefined && options.onUnforwardable !== 'park') {
       ctx.addIssue({
         code: 'custom',
         path: ['parkQueue'],
-        message: `cannot be combined with --on-unroutable ${options.onUnroutable}`,
+        message: `cannot be combined with --on-unforwardable ${options.onUnforwardable}`,
       });
     }
   });
@@ -345,7 +350,8 @@ function firstIssue(error: z.ZodError): ConfigError {
 /** Validates what the CLI collected and fills in the defaults; throws ConfigError naming the flag. */
 export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'): BridgeSettings {
   // An option given explicitly (including by `park-queue`) implies its policy.
-  const onUnroutable = raw.onUnroutable ?? (raw.parkQueue !== undefined ? 'park' : DEFAULTS.onUnroutable);
+  const onUnforwardable =
+    raw.onUnforwardable ?? (raw.parkQueue !== undefined ? 'park' : DEFAULTS.onUnforwardable);
   const parsed = rawSchema.safeParse({
     source: raw.source,
     sourceQueue: raw.sourceQueue,
@@ -360,7 +366,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     prefetch: raw.prefetch ?? String(DEFAULTS.prefetch),
     batchSize: raw.batchSize ?? String(DEFAULTS.batchSize),
     cacheShards: raw.cacheShards ?? DEFAULTS.cacheShards,
-    onUnroutable,
+    onUnforwardable,
     parkQueue: raw.parkQueue,
     logLevel: raw.logLevel ?? DEFAULTS.logLevel,
   });
@@ -426,7 +432,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     batchSize: options.batchSize,
     cacheShards: options.cacheShards,
     leaseMs,
-    onUnroutable: options.onUnroutable,
+    onUnforwardable: options.onUnforwardable,
     parkQueue: options.parkQueue,
     stripCc: raw.stripCc === true,
     requeueDelay: {

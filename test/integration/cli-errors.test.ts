@@ -58,14 +58,14 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expect(Date.now() - started).toBeLessThan(30_000);
   });
 
-  it('--on-unroutable dead-letter on a source queue without a dead-letter exchange exits 2, before consuming', async () => {
+  it('--on-unforwardable dead-letter on a source queue without a dead-letter exchange exits 2, before consuming', async () => {
     const { sourceUrl, sourceManagementUrl } = servers();
     const { source, target } = await queuePair();
     await publishAll(sourceUrl, source, [{ body: 'kept', options: { headers: { _HQ_DUPL_ID: 'dl-1' } } }]);
     const result = await runCli(
       args(
         { '--source-queue': source, '--target-queue': target },
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
         '--source-management',
         sourceManagementUrl,

@@ -496,7 +496,7 @@ describe('the hot path', () => {
         '50',
         '--prefetch',
         '200',
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
       ]);
       expect(run.code, run.stderr).toBe(0);
@@ -545,7 +545,7 @@ describe('the hot path', () => {
         ['--target-queue', target],
         '--id-from',
         'header:X-Order',
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
       ),
     );
@@ -585,7 +585,7 @@ describe('the hot path', () => {
     }));
     await publishAll(sourceUrl, source, messages);
     const bridge = startCli([
-      ...runArgs(source, ['--target-exchange', targetExchange], '--on-unroutable', 'dead-letter'),
+      ...runArgs(source, ['--target-exchange', targetExchange], '--on-unforwardable', 'dead-letter'),
       '--metrics-port',
       '0',
     ]);

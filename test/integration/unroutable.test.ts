@@ -129,7 +129,7 @@ describe('unroutable messages are never lost', () => {
     expect(await depthOf(sourceUrl, source)).toBe(0);
   });
 
-  it('with --on-unroutable dead-letter they go to the source queue’s dead-letter exchange', async () => {
+  it('with --on-unforwardable dead-letter they go to the source queue’s dead-letter exchange', async () => {
     const { sourceUrl } = servers();
     const dlq = uniqueName('dlq');
     await declareQueue(sourceUrl, dlq);
@@ -141,7 +141,7 @@ describe('unroutable messages are never lost', () => {
       migrateArgs(
         source,
         ['--target-exchange', '', '--target-routing-key', missing],
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
       ),
     );

@@ -74,7 +74,7 @@ describe('config file', () => {
       prefetch: 50,
       batchSize: 200,
       dedupWindowMs: 7 * 86_400_000,
-      onUnroutable: 'requeue',
+      onUnforwardable: 'retry',
       targetUser: 'bridge',
     });
     expect(orders?.idFrom).toEqual([{ kind: 'header', name: '_HQ_DUPL_ID' }, { kind: 'message-id' }]);
@@ -84,7 +84,7 @@ describe('config file', () => {
       targetQueue: undefined,
       scope: 'exchange:events',
       dedupWindowMs: 86_400_000,
-      onUnroutable: 'park',
+      onUnforwardable: 'park',
       parkQueue: 'audit-parked',
     });
   });
@@ -186,9 +186,9 @@ describe('config file', () => {
     [
       'a park policy without a park queue',
       (file: ReturnType<typeof twoRoutes>) => {
-        Object.assign(file.routes[0] as object, { onUnroutable: 'park' });
+        Object.assign(file.routes[0] as object, { onUnforwardable: 'park' });
       },
-      'routes[0].parkQueue: onUnroutable park needs parkQueue',
+      'routes[0].parkQueue: onUnforwardable park needs parkQueue',
     ],
     [
       'a window not longer than the lease',
@@ -344,7 +344,7 @@ describe('config file', () => {
         {
           name: 'audit',
           target: { exchange: 'events', routingKey: 'audit' },
-          onUnroutable: 'park',
+          onUnforwardable: 'park',
           parkQueue: 'audit-parked',
         },
       ],

@@ -231,7 +231,7 @@ describe('resolveBridgeSettings: defaults', () => {
     expect(settings.leaseMs).toBe(15_000);
     expect(settings.redisUrl).toBe('redis://127.0.0.1:6379');
     expect(settings.redisPrefix).toBe('dedup');
-    expect(settings.onUnroutable).toBe('requeue');
+    expect(settings.onUnforwardable).toBe('retry');
     expect(settings.parkQueue).toBeUndefined();
     expect(settings.logLevel).toBe('info');
     expect(settings.retryForMs).toBe(0);
@@ -328,14 +328,14 @@ describe('resolveBridgeSettings: defaults', () => {
 
   it('implies the park policy from --park-queue', () => {
     const settings = resolve({ parkQueue: 'parked' });
-    expect(settings.onUnroutable).toBe('park');
+    expect(settings.onUnforwardable).toBe('park');
     expect(settings.parkQueue).toBe('parked');
-    expect(resolve({ parkQueue: 'parked', onUnroutable: 'park' }).onUnroutable).toBe('park');
+    expect(resolve({ parkQueue: 'parked', onUnforwardable: 'park' }).onUnforwardable).toBe('park');
   });
 
-  it('accepts the other unroutable policies without a park queue', () => {
-    expect(resolve({ onUnroutable: 'dead-letter' }).onUnroutable).toBe('dead-letter');
-    expect(resolve({ onUnroutable: 'requeue' }).onUnroutable).toBe('requeue');
+  it('accepts the other unforwardable policies without a park queue', () => {
+    expect(resolve({ onUnforwardable: 'dead-letter' }).onUnforwardable).toBe('dead-letter');
+    expect(resolve({ onUnforwardable: 'retry' }).onUnforwardable).toBe('retry');
   });
 });
 
@@ -517,21 +517,21 @@ describe('resolveBridgeSettings: validation', () => {
     expect(message).toContain('--target-exchange');
   });
 
-  it('rejects --on-unroutable park without --park-queue', () => {
-    const message = resolveError({ onUnroutable: 'park' });
+  it('rejects --on-unforwardable park without --park-queue', () => {
+    const message = resolveError({ onUnforwardable: 'park' });
     expect(message).toMatch(/^--park-queue: /);
-    expect(message).toContain('--on-unroutable park');
+    expect(message).toContain('--on-unforwardable park');
   });
 
   it('rejects --park-queue with another policy', () => {
-    const message = resolveError({ parkQueue: 'parked', onUnroutable: 'dead-letter' });
+    const message = resolveError({ parkQueue: 'parked', onUnforwardable: 'dead-letter' });
     expect(message).toMatch(/^--park-queue: /);
     expect(message).toContain('dead-letter');
   });
 
-  it('rejects an unknown --on-unroutable policy', () => {
-    expect(resolveError({ onUnroutable: 'drop' })).toMatch(
-      /^--on-unroutable: .*requeue, dead-letter or park/,
+  it('rejects an unknown --on-unforwardable policy', () => {
+    expect(resolveError({ onUnforwardable: 'drop' })).toMatch(
+      /^--on-unforwardable: .*retry, dead-letter or park/,
     );
   });
 
