@@ -149,6 +149,8 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
       '--on-unforwardable <policy>',
       'what to do with a message that cannot be forwarded (unroutable, refused, too large, no ID, a loop): retry (default: hold it and retry after a backoff), dead-letter, or park (with --park-queue)',
     )
+    // Its old name, still taken; not in --help (docs/cli.md names it once).
+    .addOption(new Option('--on-unroutable <policy>', 'old name of --on-unforwardable').hideHelp())
     .option(
       '--park-queue <name>',
       'move messages that cannot be forwarded to this queue on the source broker',

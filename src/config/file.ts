@@ -18,9 +18,11 @@ import {
   name,
   type RawOptions,
   REDIS_PREFIX_PATTERN,
+  readOldPolicyName,
   redisUrl,
   resolveBridgeSettings,
   SCOPE_PATTERN,
+  type UnforwardablePolicy,
   unforwardablePolicy,
 } from './settings.js';
 import { formatSize, parseSize } from './size.js';
@@ -155,9 +157,38 @@ const routeSettings = {
     .optional(),
   lease: duration.optional(),
   onUnforwardable: unforwardablePolicy.optional(),
+  /** The old name of onUnforwardable, read as it (see withOldPolicyName). */
+  onUnroutable: unforwardablePolicy.optional(),
   parkQueue: name.optional(),
   stripCc: z.boolean().optional(),
 };
+
+type PolicyKeys = {
+  onUnforwardable?: UnforwardablePolicy | undefined;
+  onUnroutable?: UnforwardablePolicy | undefined;
+};
+
+/**
+ * A route's (or defaults') settings with onUnroutable, the old name of onUnforwardable, read as the
+ * new one, each level on its own: a route's policy beats its defaults' whichever name each uses.
+ * Both names in one place, meaning different policies, are refused: one of them would be ignored.
+ */
+function withOldPolicyName<S extends PolicyKeys>(schema: z.ZodType<S>) {
+  return schema
+    .superRefine(({ onUnforwardable, onUnroutable }, ctx) => {
+      if (onUnforwardable !== undefined && onUnroutable !== undefined && onUnforwardable !== onUnroutable) {
+        ctx.addIssue({
+          code: 'custom',
+          path: ['onUnroutable'],
+          message: `is the old name of onUnforwardable, which is set here too (to ${onUnforwardable}); give only onUnforwardable`,
+        });
+      }
+    })
+    .transform(({ onUnroutable, ...settings }) => {
+      const onUnforwardable = settings.onUnforwardable ?? onUnroutable;
+      return onUnforwardable === undefined ? settings : { ...settings, onUnforwardable };
+    });
+}
 
 const route = z
   .object({
@@ -176,6 +207,7 @@ const route = z
     ...routeSettings,
   })
   .strict();
+const routeWithOldPolicyName = withOldPolicyName(route);
 
 const fileSchema = z
   .object({
@@ -192,11 +224,11 @@ const fileSchema = z
       })
       .strict()
       .optional(),
-    defaults: z.object(routeSettings).strict().optional(),
+    defaults: withOldPolicyName(z.object(routeSettings).strict()).optional(),
     retryFor: retryFor.optional(),
     shutdownTimeout: duration.optional(),
     logLevel: z.enum(LOG_LEVELS, { error: `must be one of ${LOG_LEVELS.join(', ')}` }).optional(),
-    routes: z.array(route).min(1, 'list at least one route'),
+    routes: z.array(routeWithOldPolicyName).min(1, 'list at least one route'),
   })
   .strict()
   .superRefine((file, ctx) => {
@@ -276,7 +308,7 @@ const fileSchema = z
 
 type ConfigFile = z.infer<typeof fileSchema>;
 type Broker = z.infer<typeof broker>;
-type Route = z.infer<typeof route>;
+type Route = z.infer<typeof routeWithOldPolicyName>;
 
 function urlsOf(item: Broker): string[] {
   return item.urls ?? (item.url === undefined ? [] : [item.url]);
@@ -368,6 +400,7 @@ const ROUTE_OPTIONS = [
   'cacheShards',
   'lease',
   'onUnforwardable',
+  'onUnroutable',
   'parkQueue',
   'stripCc',
   'sourceCa',
@@ -482,8 +515,10 @@ export function resolveConfigRoutes(
       );
     }
   }
+  // --on-unroutable as --on-unforwardable, before it replaces the file's policy.
+  const overriding = readOldPolicyName(given);
   return file.routes.map((item, index) => {
-    const raw = overlay(routeOptions(file, item), given);
+    const raw = overlay(routeOptions(file, item), overriding);
     const broker = file.brokers[item.source.broker] as Broker;
     const management = broker.management;
     try {

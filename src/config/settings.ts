@@ -59,6 +59,8 @@ export interface RawOptions extends TlsRawOptions {
   cacheShards?: string;
   lease?: string;
   onUnforwardable?: string;
+  /** The old name of onUnforwardable (--on-unroutable), read as it; see readOldPolicyName. */
+  onUnroutable?: string;
   parkQueue?: string;
   stripCc?: boolean;
   retryFor?: string;
@@ -245,9 +247,10 @@ export const name = z
   .refine((value) => Buffer.byteLength(value) <= 255, 'is longer than 255 bytes');
 // '' is the default exchange.
 export const exchangeName = z.string().refine((value) => Buffer.byteLength(value) <= 255, 'is too long');
-export const unforwardablePolicy = z.enum(['retry', 'dead-letter', 'park'], {
-  error: 'must be retry, dead-letter or park',
-});
+/** `requeue`, the old name of `retry`, is still taken (and read as `retry`). */
+export const unforwardablePolicy = z
+  .enum(['retry', 'dead-letter', 'park', 'requeue'], { error: 'must be retry, dead-letter or park' })
+  .transform((policy): UnforwardablePolicy => (policy === 'requeue' ? 'retry' : policy));
 export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
 /** The most replicas --redis-wait-replicas may ask for (a Redis master with more is unusual). */
 export const MAX_WAIT_REPLICAS = 64;
@@ -347,8 +350,29 @@ function firstIssue(error: z.ZodError): ConfigError {
   return new ConfigError(`${flag}: ${message}`);
 }
 
+/**
+ * The options with --on-unroutable, the old name of --on-unforwardable, read as the new one. Both
+ * given with values that mean different policies are refused: one of them would be ignored.
+ */
+export function readOldPolicyName(raw: RawOptions): RawOptions {
+  const { onUnroutable: old, ...options } = raw;
+  if (old === undefined) return raw;
+  const oldPolicy = unforwardablePolicy.safeParse(old);
+  if (!oldPolicy.success) throw new ConfigError(`--on-unroutable: ${oldPolicy.error.issues[0]?.message}`);
+  if (options.onUnforwardable === undefined) return { ...options, onUnforwardable: old };
+  const policy = unforwardablePolicy.safeParse(options.onUnforwardable);
+  // A bad new value is refused by resolveBridgeSettings, naming --on-unforwardable.
+  if (policy.success && policy.data !== oldPolicy.data) {
+    throw new ConfigError(
+      `--on-unforwardable: is ${options.onUnforwardable}, but --on-unroutable (its old name) is ${old}; give only --on-unforwardable`,
+    );
+  }
+  return options;
+}
+
 /** Validates what the CLI collected and fills in the defaults; throws ConfigError naming the flag. */
-export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'): BridgeSettings {
+export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'): BridgeSettings {
+  const raw = readOldPolicyName(given);
   // An option given explicitly (including by `park-queue`) implies its policy.
   const onUnforwardable =
     raw.onUnforwardable ?? (raw.parkQueue !== undefined ? 'park' : DEFAULTS.onUnforwardable);

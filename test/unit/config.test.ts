@@ -687,3 +687,60 @@ describe('flags that agree with the file (issue 17, item 6)', () => {
     expect(message).toMatch(/^--source-queue: does not go with --job-file/);
   });
 });
+
+describe('--on-unroutable and requeue, the old names of --on-unforwardable and retry', () => {
+  /** What `run` collects from these flags, as the CLI defines its options. */
+  function parsed(argv: string[]): RawOptions {
+    const command = addBridgeOptions(new Command('run').exitOverride(), 'run');
+    command.parse(['--source-queue', 'q', '--target-queue', 'q2', ...argv], { from: 'user' });
+    return command.opts() as RawOptions;
+  }
+  const policyOf = (argv: string[]) => resolve({ ...parsed(argv) }).onUnforwardable;
+
+  it('mean the same as the new names', () => {
+    expect(policyOf(['--on-unroutable', 'dead-letter'])).toBe('dead-letter');
+    expect(policyOf(['--on-unroutable', 'requeue'])).toBe('retry');
+    expect(policyOf(['--on-unforwardable', 'requeue'])).toBe('retry');
+    expect(policyOf(['--on-unroutable', 'park', '--park-queue', 'parked'])).toBe('park');
+    // Both names with values of the same meaning are no conflict.
+    expect(policyOf(['--on-unforwardable', 'retry', '--on-unroutable', 'requeue'])).toBe('retry');
+    expect(policyOf([])).toBe('retry');
+    expect(
+      resolveMigrateSettings({
+        ...MIGRATE,
+        sourceQueue: ['a', 'b'],
+        targetQueue: undefined,
+        onUnroutable: 'requeue',
+      }).routes.map((route) => route.onUnforwardable),
+    ).toEqual(['retry', 'retry']);
+  });
+
+  it('are refused in one line when the old and the new name say different policies', () => {
+    const error = configError(() =>
+      resolve({ ...parsed(['--on-unforwardable', 'retry', '--on-unroutable', 'dead-letter']) }),
+    );
+    expect(error.message).toBe(
+      '--on-unforwardable: is retry, but --on-unroutable (its old name) is dead-letter; give only --on-unforwardable',
+    );
+    expect(error.message).not.toContain('\n');
+  });
+
+  it('the old flag takes the same values, and its park needs --park-queue as the new one', () => {
+    expect(resolveError({ onUnroutable: 'drop' })).toBe(
+      '--on-unroutable: must be retry, dead-letter or park',
+    );
+    expect(resolveError({ onUnroutable: 'park' })).toBe(
+      '--park-queue: --on-unforwardable park needs --park-queue <name>',
+    );
+    expect(resolveError({ onUnroutable: 'requeue', parkQueue: 'parked' })).toBe(
+      '--park-queue: cannot be combined with --on-unforwardable retry',
+    );
+  });
+
+  it('--help shows the new name only', () => {
+    const help = addBridgeOptions(new Command('run'), 'run').helpInformation();
+    expect(help).toContain('--on-unforwardable <policy>');
+    expect(help).not.toContain('--on-unroutable');
+    expect(help).not.toContain('requeue');
+  });
+});
