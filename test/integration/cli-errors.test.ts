@@ -79,6 +79,15 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expect(await depthOf(sourceUrl, source)).toBe(1);
   });
 
+  it('--on-unforwardable and its old name --on-unroutable with different policies exit 2 with one line', async () => {
+    const result = await runCli(args({}, '--on-unforwardable', 'retry', '--on-unroutable', 'dead-letter'));
+    expectOneLine(
+      result,
+      2,
+      /--on-unforwardable: is retry, but --on-unroutable \(its old name\) is dead-letter; give only --on-unforwardable$/,
+    );
+  });
+
   it('a URL of the wrong scheme exits 2 without printing its password', async () => {
     const result = await runCli(args({ '--redis': `http://user:${SECRET}@localhost:6379` }));
     expectOneLine(result, 2, /--redis .*scheme http; use redis or rediss/);
