@@ -14,6 +14,7 @@ import {
   count,
   DEFAULTS,
   exchangeName,
+  flagOf,
   MAX_WAIT_REPLICAS,
   name,
   type RawOptions,
@@ -410,26 +411,6 @@ const ROUTE_OPTIONS = [
   'targetCert',
   'targetKey',
 ] as const;
-
-const ENV_OF: Record<string, string> = {
-  source: 'DEDUP_BRIDGE_SOURCE',
-  sourceQueue: 'DEDUP_BRIDGE_SOURCE_QUEUE',
-  target: 'DEDUP_BRIDGE_TARGET',
-  maxInFlightBytes: 'DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES',
-  stripCc: 'DEDUP_BRIDGE_STRIP_CC',
-  sourceCa: 'DEDUP_BRIDGE_SOURCE_CA',
-  sourceCert: 'DEDUP_BRIDGE_SOURCE_CERT',
-  sourceKey: 'DEDUP_BRIDGE_SOURCE_KEY',
-  targetCa: 'DEDUP_BRIDGE_TARGET_CA',
-  targetCert: 'DEDUP_BRIDGE_TARGET_CERT',
-  targetKey: 'DEDUP_BRIDGE_TARGET_KEY',
-};
-
-function flagOf(option: string): string {
-  const flag = `--${option.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`)}`;
-  const env = ENV_OF[option];
-  return env ? `${flag} (or ${env})` : flag;
-}
 
 function withoutUndefined<T extends object>(value: T): Partial<T> {
   return Object.fromEntries(Object.entries(value).filter(([, item]) => item !== undefined)) as Partial<T>;

@@ -144,7 +144,10 @@ export interface BridgeSettings {
 /** A dedup scope goes inside the key's {hash tag}: no braces, no spaces. */
 export const SCOPE_PATTERN = /^[^{}\s]+$/;
 
-/** Which flag (and variable) sets each field, for error messages. */
+/**
+ * Which flag (and variable) sets each field, for error messages; a field not here is set by the
+ * flag of its name (see flagOf). The variables are those of src/cli/options.ts.
+ */
 const FLAG: Record<string, string> = {
   source: '--source (or DEDUP_BRIDGE_SOURCE)',
   sourceQueue: '--source-queue (or DEDUP_BRIDGE_SOURCE_QUEUE)',
@@ -162,8 +165,20 @@ const FLAG: Record<string, string> = {
   cacheShards: '--cache-shards',
   onUnforwardable: '--on-unforwardable',
   parkQueue: '--park-queue',
+  stripCc: '--strip-cc (or DEDUP_BRIDGE_STRIP_CC)',
   logLevel: '--log-level',
+  sourceCa: '--source-ca (or DEDUP_BRIDGE_SOURCE_CA)',
+  sourceCert: '--source-cert (or DEDUP_BRIDGE_SOURCE_CERT)',
+  sourceKey: '--source-key (or DEDUP_BRIDGE_SOURCE_KEY)',
+  targetCa: '--target-ca (or DEDUP_BRIDGE_TARGET_CA)',
+  targetCert: '--target-cert (or DEDUP_BRIDGE_TARGET_CERT)',
+  targetKey: '--target-key (or DEDUP_BRIDGE_TARGET_KEY)',
 };
+
+/** The flag (and variable) that sets an option of RawOptions: `sourceQueue` is --source-queue. */
+export function flagOf(option: string): string {
+  return FLAG[option] ?? `--${option.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`)}`;
+}
 
 function urlWith(protocols: string[], example: string) {
   return z.string().superRefine((value, ctx) => {
