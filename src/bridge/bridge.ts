@@ -240,7 +240,7 @@ export async function startBridge(
       idFrom: settings.idFrom,
       batchSize: settings.batchSize,
       leaseMs: settings.leaseMs,
-      onUnroutable: settings.onUnroutable,
+      onUnforwardable: settings.onUnforwardable,
       parkQueue: settings.parkQueue,
       stripCc: settings.stripCc,
       requeueDelay: settings.requeueDelay,

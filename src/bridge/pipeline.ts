@@ -1,7 +1,7 @@
 import { backoffDelay, sleep } from '../backoff.js';
 import { Coalescer } from '../coalesce.js';
 import type { IdStrategy } from '../config/id-from.js';
-import type { UnroutablePolicy } from '../config/settings.js';
+import type { UnforwardablePolicy } from '../config/settings.js';
 import { describe } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { ClaimState, Claims, CommitResult, Delivery, PublishOutcome, Source, Target } from '../ports.js';
@@ -25,7 +25,7 @@ export interface RouteSettings {
   idFrom: readonly IdStrategy[];
   batchSize: number;
   leaseMs: number;
-  onUnroutable: UnroutablePolicy;
+  onUnforwardable: UnforwardablePolicy;
   parkQueue: string | undefined;
   /** Backoff before the bridge retries a message the target refused (it holds it meanwhile). */
   requeueDelay: { initialMs: number; maxMs: number };
@@ -107,7 +107,7 @@ export class Pipeline {
       this.perMessage,
     );
     this.refusals = new Refusals(
-      { policy: settings.onUnroutable, parkQueue: settings.parkQueue, retryDelay: settings.requeueDelay },
+      { policy: settings.onUnforwardable, parkQueue: settings.parkQueue, retryDelay: settings.requeueDelay },
       source,
       this.counters,
       this.perMessage,

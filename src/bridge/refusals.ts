@@ -1,6 +1,6 @@
 import { backoffDelay } from '../backoff.js';
 import { BoundedMap } from '../bounded-map.js';
-import type { UnroutablePolicy } from '../config/settings.js';
+import type { UnforwardablePolicy } from '../config/settings.js';
 import type { Source } from '../ports.js';
 import type { RouteCounters } from './counters.js';
 import type { Entry, Failure } from './entry.js';
@@ -10,7 +10,7 @@ import { namedOf, type PerMessageLog } from './per-message.js';
 const MAX_RETRY_MEMORY = 10_000;
 
 export interface RefusalSettings {
-  policy: UnroutablePolicy;
+  policy: UnforwardablePolicy;
   parkQueue: string | undefined;
   /** Backoff before the bridge retries a message it could not forward (it holds it meanwhile). */
   retryDelay: { initialMs: number; maxMs: number };
@@ -33,7 +33,7 @@ export interface RefusalHost {
 /**
  * What happens to a message the bridge cannot forward: refused by the target (unroutable,
  * rejected, too large, unpublishable), without an ID, unreadable, or looped back. It is parked,
- * dead-lettered, or held and retried after a backoff, as --on-unroutable says.
+ * dead-lettered, or held and retried after a backoff, as --on-unforwardable says.
  */
 export class Refusals {
   /**

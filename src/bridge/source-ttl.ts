@@ -59,10 +59,10 @@ export async function sourceTtlWarnings(
   managementCa?: string,
 ): Promise<string[]> {
   const unchecked = routes.filter((route) => !(route.sourceManagementUrl ?? managementUrl));
-  const deadLetterUnchecked = unchecked.filter((route) => route.onUnroutable === 'dead-letter');
+  const deadLetterUnchecked = unchecked.filter((route) => route.onUnforwardable === 'dead-letter');
   if (deadLetterUnchecked.length > 0) {
     log.warn(
-      `--on-unroutable dead-letter: cannot check that ${deadLetterUnchecked.map((route) => `"${route.sourceQueue}"`).join(', ')} has a dead-letter exchange (RabbitMQ drops what it rejects otherwise); give --source-management to check it`,
+      `--on-unforwardable dead-letter: cannot check that ${deadLetterUnchecked.map((route) => `"${route.sourceQueue}"`).join(', ')} has a dead-letter exchange (RabbitMQ drops what it rejects otherwise); give --source-management to check it`,
     );
   }
   if (unchecked.length > 0) {
@@ -122,12 +122,12 @@ function deliveryLimitOf(shape: QueueShape): SourceDeliveryLimit | undefined {
 }
 
 /**
- * With `--on-unroutable dead-letter` the bridge rejects what it cannot forward to the source
+ * With `--on-unforwardable dead-letter` the bridge rejects what it cannot forward to the source
  * queue's dead-letter exchange; a queue without one (argument or policy) makes RabbitMQ drop it.
  */
 function deadLetterProblem(route: BridgeSettings, shape: QueueShape): string | undefined {
-  if (route.onUnroutable !== 'dead-letter') return undefined;
+  if (route.onUnforwardable !== 'dead-letter') return undefined;
   if (shape.arguments['x-dead-letter-exchange'] !== undefined) return undefined;
   if (shape.policy['dead-letter-exchange'] !== undefined) return undefined;
-  return `--on-unroutable dead-letter: source queue "${route.sourceQueue}" has no dead-letter exchange (no x-dead-letter-exchange argument or policy), so RabbitMQ would drop every message the bridge rejects; give the queue one, or use --park-queue or --on-unroutable requeue`;
+  return `--on-unforwardable dead-letter: source queue "${route.sourceQueue}" has no dead-letter exchange (no x-dead-letter-exchange argument or policy), so RabbitMQ would drop every message the bridge rejects; give the queue one, or use --park-queue or --on-unforwardable retry`;
 }

@@ -145,8 +145,16 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
       'Redis Cluster slots a new scope is spread over (default auto: 16 on a Cluster, else 1)',
     )
     .option('--lease <duration>', `claim lease, renewed while in flight (default ${DEFAULTS.lease})`)
-    .option('--on-unroutable <policy>', 'requeue (default), dead-letter, or park (with --park-queue)')
-    .option('--park-queue <name>', 'move unroutable messages to this queue on the source broker')
+    .option(
+      '--on-unforwardable <policy>',
+      'what to do with a message that cannot be forwarded (unroutable, refused, too large, no ID, a loop): retry (default: hold it and retry after a backoff), dead-letter, or park (with --park-queue)',
+    )
+    // Its old name, still taken; not in --help (docs/cli.md names it once).
+    .addOption(new Option('--on-unroutable <policy>', 'old name of --on-unforwardable').hideHelp())
+    .option(
+      '--park-queue <name>',
+      'move messages that cannot be forwarded to this queue on the source broker',
+    )
     .addOption(
       new Option(
         '--strip-cc',

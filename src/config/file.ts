@@ -14,14 +14,17 @@ import {
   count,
   DEFAULTS,
   exchangeName,
+  flagOf,
   MAX_WAIT_REPLICAS,
   name,
   type RawOptions,
   REDIS_PREFIX_PATTERN,
+  readOldPolicyName,
   redisUrl,
   resolveBridgeSettings,
   SCOPE_PATTERN,
-  unroutablePolicy,
+  type UnforwardablePolicy,
+  unforwardablePolicy,
 } from './settings.js';
 import { formatSize, parseSize } from './size.js';
 
@@ -154,10 +157,39 @@ const routeSettings = {
     .union([z.literal('auto'), whole(1, 1024)], { error: 'must be auto or a whole number from 1 to 1024' })
     .optional(),
   lease: duration.optional(),
-  onUnroutable: unroutablePolicy.optional(),
+  onUnforwardable: unforwardablePolicy.optional(),
+  /** The old name of onUnforwardable, read as it (see withOldPolicyName). */
+  onUnroutable: unforwardablePolicy.optional(),
   parkQueue: name.optional(),
   stripCc: z.boolean().optional(),
 };
+
+type PolicyKeys = {
+  onUnforwardable?: UnforwardablePolicy | undefined;
+  onUnroutable?: UnforwardablePolicy | undefined;
+};
+
+/**
+ * A route's (or defaults') settings with onUnroutable, the old name of onUnforwardable, read as the
+ * new one, each level on its own: a route's policy beats its defaults' whichever name each uses.
+ * Both names in one place, meaning different policies, are refused: one of them would be ignored.
+ */
+function withOldPolicyName<S extends PolicyKeys>(schema: z.ZodType<S>) {
+  return schema
+    .superRefine(({ onUnforwardable, onUnroutable }, ctx) => {
+      if (onUnforwardable !== undefined && onUnroutable !== undefined && onUnforwardable !== onUnroutable) {
+        ctx.addIssue({
+          code: 'custom',
+          path: ['onUnroutable'],
+          message: `is the old name of onUnforwardable, which is set here too (to ${onUnforwardable}); give only onUnforwardable`,
+        });
+      }
+    })
+    .transform(({ onUnroutable, ...settings }) => {
+      const onUnforwardable = settings.onUnforwardable ?? onUnroutable;
+      return onUnforwardable === undefined ? settings : { ...settings, onUnforwardable };
+    });
+}
 
 const route = z
   .object({
@@ -176,6 +208,7 @@ const route = z
     ...routeSettings,
   })
   .strict();
+const routeWithOldPolicyName = withOldPolicyName(route);
 
 const fileSchema = z
   .object({
@@ -192,11 +225,11 @@ const fileSchema = z
       })
       .strict()
       .optional(),
-    defaults: z.object(routeSettings).strict().optional(),
+    defaults: withOldPolicyName(z.object(routeSettings).strict()).optional(),
     retryFor: retryFor.optional(),
     shutdownTimeout: duration.optional(),
     logLevel: z.enum(LOG_LEVELS, { error: `must be one of ${LOG_LEVELS.join(', ')}` }).optional(),
-    routes: z.array(route).min(1, 'list at least one route'),
+    routes: z.array(routeWithOldPolicyName).min(1, 'list at least one route'),
   })
   .strict()
   .superRefine((file, ctx) => {
@@ -257,12 +290,12 @@ const fileSchema = z
       }
 
       const merged = { ...file.defaults, ...item };
-      const onUnroutable = onUnroutableOf(merged);
-      if (onUnroutable === 'park' && merged.parkQueue === undefined) {
-        issue(['parkQueue'], 'onUnroutable park needs parkQueue (here or under defaults)');
+      const onUnforwardable = onUnforwardableOf(merged);
+      if (onUnforwardable === 'park' && merged.parkQueue === undefined) {
+        issue(['parkQueue'], 'onUnforwardable park needs parkQueue (here or under defaults)');
       }
-      if (merged.parkQueue !== undefined && onUnroutable !== 'park') {
-        issue(['parkQueue'], `cannot be combined with onUnroutable ${onUnroutable}`);
+      if (merged.parkQueue !== undefined && onUnforwardable !== 'park') {
+        issue(['parkQueue'], `cannot be combined with onUnforwardable ${onUnforwardable}`);
       }
       // Zod runs this check even when a field failed: skip what did not parse (already reported).
       const leaseMs = millis(merged.lease ?? DEFAULTS.lease);
@@ -276,15 +309,18 @@ const fileSchema = z
 
 type ConfigFile = z.infer<typeof fileSchema>;
 type Broker = z.infer<typeof broker>;
-type Route = z.infer<typeof route>;
+type Route = z.infer<typeof routeWithOldPolicyName>;
 
 function urlsOf(item: Broker): string[] {
   return item.urls ?? (item.url === undefined ? [] : [item.url]);
 }
 
 /** A parkQueue alone implies the park policy, as --park-queue does. */
-function onUnroutableOf(settings: { onUnroutable?: string | undefined; parkQueue?: string | undefined }) {
-  return settings.onUnroutable ?? (settings.parkQueue !== undefined ? 'park' : DEFAULTS.onUnroutable);
+function onUnforwardableOf(settings: {
+  onUnforwardable?: string | undefined;
+  parkQueue?: string | undefined;
+}) {
+  return settings.onUnforwardable ?? (settings.parkQueue !== undefined ? 'park' : DEFAULTS.onUnforwardable);
 }
 
 /** `routes[2].target.exchange` from a zod path. */
@@ -364,6 +400,7 @@ const ROUTE_OPTIONS = [
   'batchSize',
   'cacheShards',
   'lease',
+  'onUnforwardable',
   'onUnroutable',
   'parkQueue',
   'stripCc',
@@ -374,26 +411,6 @@ const ROUTE_OPTIONS = [
   'targetCert',
   'targetKey',
 ] as const;
-
-const ENV_OF: Record<string, string> = {
-  source: 'DEDUP_BRIDGE_SOURCE',
-  sourceQueue: 'DEDUP_BRIDGE_SOURCE_QUEUE',
-  target: 'DEDUP_BRIDGE_TARGET',
-  maxInFlightBytes: 'DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES',
-  stripCc: 'DEDUP_BRIDGE_STRIP_CC',
-  sourceCa: 'DEDUP_BRIDGE_SOURCE_CA',
-  sourceCert: 'DEDUP_BRIDGE_SOURCE_CERT',
-  sourceKey: 'DEDUP_BRIDGE_SOURCE_KEY',
-  targetCa: 'DEDUP_BRIDGE_TARGET_CA',
-  targetCert: 'DEDUP_BRIDGE_TARGET_CERT',
-  targetKey: 'DEDUP_BRIDGE_TARGET_KEY',
-};
-
-function flagOf(option: string): string {
-  const flag = `--${option.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`)}`;
-  const env = ENV_OF[option];
-  return env ? `${flag} (or ${env})` : flag;
-}
 
 function withoutUndefined<T extends object>(value: T): Partial<T> {
   return Object.fromEntries(Object.entries(value).filter(([, item]) => item !== undefined)) as Partial<T>;
@@ -424,7 +441,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
     batchSize: settings.batchSize?.toString(),
     cacheShards: settings.cacheShards?.toString(),
     lease: settings.lease,
-    onUnroutable: onUnroutableOf(settings),
+    onUnforwardable: onUnforwardableOf(settings),
     parkQueue: settings.parkQueue,
     stripCc: settings.stripCc,
     retryFor: file.retryFor,
@@ -443,7 +460,7 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
 }
 
 /**
- * Flags and environment over the file's one route. A flag naming the target or the unroutable
+ * Flags and environment over the file's one route. A flag naming the target or the unforwardable
  * policy replaces the file's whole choice, so that e.g. --target-exchange does not clash with the
  * file's target queue.
  */
@@ -454,8 +471,8 @@ function overlay(fromFile: RawOptions, flags: Partial<RawOptions>): RawOptions {
     base.targetExchange = undefined;
     base.targetRoutingKey = undefined;
   }
-  if (flags.onUnroutable !== undefined && flags.parkQueue === undefined) base.parkQueue = undefined;
-  if (flags.parkQueue !== undefined && flags.onUnroutable === undefined) base.onUnroutable = undefined;
+  if (flags.onUnforwardable !== undefined && flags.parkQueue === undefined) base.parkQueue = undefined;
+  if (flags.parkQueue !== undefined && flags.onUnforwardable === undefined) base.onUnforwardable = undefined;
   return { ...base, ...flags };
 }
 
@@ -479,8 +496,10 @@ export function resolveConfigRoutes(
       );
     }
   }
+  // --on-unroutable as --on-unforwardable, before it replaces the file's policy.
+  const overriding = readOldPolicyName(given);
   return file.routes.map((item, index) => {
-    const raw = overlay(routeOptions(file, item), given);
+    const raw = overlay(routeOptions(file, item), overriding);
     const broker = file.brokers[item.source.broker] as Broker;
     const management = broker.management;
     try {
@@ -548,7 +567,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         batchSize: settings.batchSize,
         cacheShards: settings.cacheShards,
         lease: formatDuration(settings.leaseMs),
-        onUnroutable: settings.onUnroutable,
+        onUnforwardable: settings.onUnforwardable,
         parkQueue: settings.parkQueue,
         stripCc: settings.stripCc || undefined,
       });

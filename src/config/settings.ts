@@ -8,8 +8,13 @@ import { parseRedisUrl } from './redis-url.js';
 import { parseSize } from './size.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
-/** What the bridge does with a message the target cannot route (--on-unroutable). */
-export type UnroutablePolicy = 'requeue' | 'dead-letter' | 'park';
+/**
+ * What the bridge does with each message it cannot forward (--on-unforwardable): unroutable at the
+ * target, nacked or refused by it, too large for it, without an ID, with an unreadable header, or
+ * a loop back into its own source. `retry` holds it unacked and tries it again after a backoff
+ * (one that can never go, without an ID say, stays held until the route stops).
+ */
+export type UnforwardablePolicy = 'park' | 'dead-letter' | 'retry';
 
 /** The defaults, documented in docs/cli.md; change both together. */
 export const DEFAULTS = {
@@ -24,7 +29,7 @@ export const DEFAULTS = {
   batchSize: 200,
   cacheShards: 'auto',
   lease: '15s',
-  onUnroutable: 'requeue' as UnroutablePolicy,
+  onUnforwardable: 'retry' as UnforwardablePolicy,
   requeueDelay: '1s',
   requeueDelayMax: '30s',
   shutdownTimeout: '30s',
@@ -53,6 +58,8 @@ export interface RawOptions extends TlsRawOptions {
   batchSize?: string;
   cacheShards?: string;
   lease?: string;
+  onUnforwardable?: string;
+  /** The old name of onUnforwardable (--on-unroutable), read as it; see readOldPolicyName. */
   onUnroutable?: string;
   parkQueue?: string;
   stripCc?: boolean;
@@ -119,7 +126,7 @@ export interface BridgeSettings {
   /** Slot shards of a new scope (see DedupCache); 'auto' is 16 on a Redis Cluster, else 1. */
   cacheShards: number | 'auto';
   leaseMs: number;
-  onUnroutable: UnroutablePolicy;
+  onUnforwardable: UnforwardablePolicy;
   parkQueue: string | undefined;
   /**
    * Remove the `CC` and `BCC` headers on forward: RabbitMQ routes a copy to each routing key they
@@ -137,7 +144,10 @@ export interface BridgeSettings {
 /** A dedup scope goes inside the key's {hash tag}: no braces, no spaces. */
 export const SCOPE_PATTERN = /^[^{}\s]+$/;
 
-/** Which flag (and variable) sets each field, for error messages. */
+/**
+ * Which flag (and variable) sets each field, for error messages; a field not here is set by the
+ * flag of its name (see flagOf). The variables are those of src/cli/options.ts.
+ */
 const FLAG: Record<string, string> = {
   source: '--source (or DEDUP_BRIDGE_SOURCE)',
   sourceQueue: '--source-queue (or DEDUP_BRIDGE_SOURCE_QUEUE)',
@@ -153,10 +163,22 @@ const FLAG: Record<string, string> = {
   maxInFlightBytes: '--max-in-flight-bytes (or DEDUP_BRIDGE_MAX_IN_FLIGHT_BYTES)',
   batchSize: '--batch-size',
   cacheShards: '--cache-shards',
-  onUnroutable: '--on-unroutable',
+  onUnforwardable: '--on-unforwardable',
   parkQueue: '--park-queue',
+  stripCc: '--strip-cc (or DEDUP_BRIDGE_STRIP_CC)',
   logLevel: '--log-level',
+  sourceCa: '--source-ca (or DEDUP_BRIDGE_SOURCE_CA)',
+  sourceCert: '--source-cert (or DEDUP_BRIDGE_SOURCE_CERT)',
+  sourceKey: '--source-key (or DEDUP_BRIDGE_SOURCE_KEY)',
+  targetCa: '--target-ca (or DEDUP_BRIDGE_TARGET_CA)',
+  targetCert: '--target-cert (or DEDUP_BRIDGE_TARGET_CERT)',
+  targetKey: '--target-key (or DEDUP_BRIDGE_TARGET_KEY)',
 };
+
+/** The flag (and variable) that sets an option of RawOptions: `sourceQueue` is --source-queue. */
+export function flagOf(option: string): string {
+  return FLAG[option] ?? `--${option.replace(/[A-Z]/g, (letter) => `-${letter.toLowerCase()}`)}`;
+}
 
 function urlWith(protocols: string[], example: string) {
   return z.string().superRefine((value, ctx) => {
@@ -240,9 +262,10 @@ export const name = z
   .refine((value) => Buffer.byteLength(value) <= 255, 'is longer than 255 bytes');
 // '' is the default exchange.
 export const exchangeName = z.string().refine((value) => Buffer.byteLength(value) <= 255, 'is too long');
-export const unroutablePolicy = z.enum(['requeue', 'dead-letter', 'park'], {
-  error: 'must be requeue, dead-letter or park',
-});
+/** `requeue`, the old name of `retry`, is still taken (and read as `retry`). */
+export const unforwardablePolicy = z
+  .enum(['retry', 'dead-letter', 'park', 'requeue'], { error: 'must be retry, dead-letter or park' })
+  .transform((policy): UnforwardablePolicy => (policy === 'requeue' ? 'retry' : policy));
 export const REDIS_PREFIX_PATTERN = /^[^{}:\s]+$/;
 /** The most replicas --redis-wait-replicas may ask for (a Redis master with more is unusual). */
 export const MAX_WAIT_REPLICAS = 64;
@@ -278,7 +301,7 @@ const rawSchema = z
     cacheShards: z.union([z.literal('auto'), count(1, 1024)], {
       error: 'must be auto or a whole number from 1 to 1024',
     }),
-    onUnroutable: unroutablePolicy,
+    onUnforwardable: unforwardablePolicy,
     parkQueue: name.optional(),
     logLevel: z.enum(LOG_LEVELS as [LogLevel, ...LogLevel[]], {
       error: `must be one of ${LOG_LEVELS.join(', ')}`,
@@ -306,18 +329,18 @@ const rawSchema = z
         message: 'goes with --target-exchange; with --target-queue the routing key is the queue name',
       });
     }
-    if (options.onUnroutable === 'park' && options.parkQueue === undefined) {
+    if (options.onUnforwardable === 'park' && options.parkQueue === undefined) {
       ctx.addIssue({
         code: 'custom',
         path: ['parkQueue'],
-        message: '--on-unroutable park needs --park-queue <name>',
+        message: '--on-unforwardable park needs --park-queue <name>',
       });
     }
-    if (options.parkQueue !== undefined && options.onUnroutable !== 'park') {
+    if (options.parkQueue !== undefined && options.onUnforwardable !== 'park') {
       ctx.addIssue({
         code: 'custom',
         path: ['parkQueue'],
-        message: `cannot be combined with --on-unroutable ${options.onUnroutable}`,
+        message: `cannot be combined with --on-unforwardable ${options.onUnforwardable}`,
       });
     }
   });
@@ -342,10 +365,32 @@ function firstIssue(error: z.ZodError): ConfigError {
   return new ConfigError(`${flag}: ${message}`);
 }
 
+/**
+ * The options with --on-unroutable, the old name of --on-unforwardable, read as the new one. Both
+ * given with values that mean different policies are refused: one of them would be ignored.
+ */
+export function readOldPolicyName(raw: RawOptions): RawOptions {
+  const { onUnroutable: old, ...options } = raw;
+  if (old === undefined) return raw;
+  const oldPolicy = unforwardablePolicy.safeParse(old);
+  if (!oldPolicy.success) throw new ConfigError(`--on-unroutable: ${oldPolicy.error.issues[0]?.message}`);
+  if (options.onUnforwardable === undefined) return { ...options, onUnforwardable: old };
+  const policy = unforwardablePolicy.safeParse(options.onUnforwardable);
+  // A bad new value is refused by resolveBridgeSettings, naming --on-unforwardable.
+  if (policy.success && policy.data !== oldPolicy.data) {
+    throw new ConfigError(
+      `--on-unforwardable: is ${options.onUnforwardable}, but --on-unroutable (its old name) is ${old}; give only --on-unforwardable`,
+    );
+  }
+  return options;
+}
+
 /** Validates what the CLI collected and fills in the defaults; throws ConfigError naming the flag. */
-export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'): BridgeSettings {
+export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'): BridgeSettings {
+  const raw = readOldPolicyName(given);
   // An option given explicitly (including by `park-queue`) implies its policy.
-  const onUnroutable = raw.onUnroutable ?? (raw.parkQueue !== undefined ? 'park' : DEFAULTS.onUnroutable);
+  const onUnforwardable =
+    raw.onUnforwardable ?? (raw.parkQueue !== undefined ? 'park' : DEFAULTS.onUnforwardable);
   const parsed = rawSchema.safeParse({
     source: raw.source,
     sourceQueue: raw.sourceQueue,
@@ -360,7 +405,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     prefetch: raw.prefetch ?? String(DEFAULTS.prefetch),
     batchSize: raw.batchSize ?? String(DEFAULTS.batchSize),
     cacheShards: raw.cacheShards ?? DEFAULTS.cacheShards,
-    onUnroutable,
+    onUnforwardable,
     parkQueue: raw.parkQueue,
     logLevel: raw.logLevel ?? DEFAULTS.logLevel,
   });
@@ -426,7 +471,7 @@ export function resolveBridgeSettings(raw: RawOptions, mode: 'run' | 'migrate'):
     batchSize: options.batchSize,
     cacheShards: options.cacheShards,
     leaseMs,
-    onUnroutable: options.onUnroutable,
+    onUnforwardable: options.onUnforwardable,
     parkQueue: options.parkQueue,
     stripCc: raw.stripCc === true,
     requeueDelay: {

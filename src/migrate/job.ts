@@ -313,7 +313,7 @@ function describeError(error: unknown): string {
 
 /** What to do about messages that stay in the source queue: a size limit is the target's to raise. */
 function stallAdvice(sizeLimit: number | undefined, unroutable: number, nacked = 0): string {
-  const setAside = 'or use --park-queue or --on-unroutable dead-letter';
+  const setAside = 'or use --park-queue or --on-unforwardable dead-letter';
   if (sizeLimit === undefined && unroutable === 0 && nacked > 0) {
     return `the target refuses them (a queue at its length limit with overflow reject-publish, say): make room on the target, ${setAside}`;
   }

@@ -669,7 +669,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
               .filter((l) => l.includes('"msg":"target trial channel error"'));
             expect(trialCloses.length).toBeGreaterThan(poison.length);
           } else {
-            const extra = policy === 'park' ? ['--park-queue', held] : ['--on-unroutable', 'dead-letter'];
+            const extra = policy === 'park' ? ['--park-queue', held] : ['--on-unforwardable', 'dead-letter'];
             const run = await migrateWithReport(['migrate', ...common, ...extra, '--idle-timeout', '500ms']);
             output = run.stdout;
             expect(run.code, run.stderr).toBe(0);

@@ -58,14 +58,14 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expect(Date.now() - started).toBeLessThan(30_000);
   });
 
-  it('--on-unroutable dead-letter on a source queue without a dead-letter exchange exits 2, before consuming', async () => {
+  it('--on-unforwardable dead-letter on a source queue without a dead-letter exchange exits 2, before consuming', async () => {
     const { sourceUrl, sourceManagementUrl } = servers();
     const { source, target } = await queuePair();
     await publishAll(sourceUrl, source, [{ body: 'kept', options: { headers: { _HQ_DUPL_ID: 'dl-1' } } }]);
     const result = await runCli(
       args(
         { '--source-queue': source, '--target-queue': target },
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
         '--source-management',
         sourceManagementUrl,
@@ -77,6 +77,15 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
       /source queue "t-src-[0-9a-f]+" has no dead-letter exchange .* RabbitMQ would drop/,
     );
     expect(await depthOf(sourceUrl, source)).toBe(1);
+  });
+
+  it('--on-unforwardable and its old name --on-unroutable with different policies exit 2 with one line', async () => {
+    const result = await runCli(args({}, '--on-unforwardable', 'retry', '--on-unroutable', 'dead-letter'));
+    expectOneLine(
+      result,
+      2,
+      /--on-unforwardable: is retry, but --on-unroutable \(its old name\) is dead-letter; give only --on-unforwardable$/,
+    );
   });
 
   it('a URL of the wrong scheme exits 2 without printing its password', async () => {

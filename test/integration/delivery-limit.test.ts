@@ -74,7 +74,7 @@ async function idsInStream(url: string, stream: string, expected: number): Promi
 }
 
 describe('a quorum source with a delivery limit loses nothing', () => {
-  it('100 unroutable, x-delivery-limit 2, default requeue policy: migrate stalls (exit 1) and all 100 stay in the source', async () => {
+  it('100 unroutable, x-delivery-limit 2, default retry policy: migrate stalls (exit 1) and all 100 stay in the source', async () => {
     const { sourceUrl, targetUrl } = servers();
     const all = numbered('unroutable', 100).ids;
     const source = await quorumSource(2, all);

@@ -480,7 +480,7 @@ describe('the hot path', () => {
         '50',
         '--prefetch',
         '200',
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
       ]);
       expect(run.code, run.stderr).toBe(0);
@@ -529,7 +529,7 @@ describe('the hot path', () => {
         ['--target-queue', target],
         '--id-from',
         'header:X-Order',
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
       ),
     );
@@ -569,7 +569,7 @@ describe('the hot path', () => {
     }));
     await publishAll(sourceUrl, source, messages);
     const bridge = startCli([
-      ...runArgs(source, ['--target-exchange', targetExchange], '--on-unroutable', 'dead-letter'),
+      ...runArgs(source, ['--target-exchange', targetExchange], '--on-unforwardable', 'dead-letter'),
       '--metrics-port',
       '0',
     ]);

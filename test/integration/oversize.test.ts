@@ -84,7 +84,7 @@ function expectSmallOnesOnce(label: string, messages: Taken[]): void {
 }
 
 describe("messages over the target's max_message_size (issue 17, item 4)", () => {
-  it('requeue: the last line names the size limit and what to do; the large ones stay in the source', async () => {
+  it('retry: the last line names the size limit and what to do; the large ones stay in the source', async () => {
     const { sourceUrl, source, destination } = await setup();
     const run = await migrate(source, destination, '--retry-for', '2s');
     expect(run.code, run.stderr).toBe(1);
@@ -93,7 +93,7 @@ describe("messages over the target's max_message_size (issue 17, item 4)", () =>
       new RegExp(
         `^dedup-bridge: ${source}: 2 message\\(s\\) could not be forwarded for \\d+s \\(0 unroutable, \\d+ refused, 0 without an ID, 0 unforwardable\\); ` +
           `they stay in the source queue: the target refuses messages larger than its max_message_size \\(${LIMIT} bytes\\): ` +
-          'raise that limit on the target, or use --park-queue or --on-unroutable dead-letter to set them aside$',
+          'raise that limit on the target, or use --park-queue or --on-unforwardable dead-letter to set them aside$',
       ),
     );
     expect(last).not.toContain('binding');

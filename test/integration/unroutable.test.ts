@@ -75,6 +75,39 @@ describe('unroutable messages are never lost', () => {
     expect(await depthOf(targetUrl, target)).toBe(0);
   });
 
+  // --on-unroutable requeue are the old names of --on-unforwardable retry: the same run either way.
+  it.each([
+    ['--on-unforwardable', 'retry'],
+    ['--on-unroutable', 'requeue'],
+  ])(
+    '%s %s: the bridge holds and retries them; migrate gives up (exit 1), all ten in the source',
+    async (flag, policy) => {
+      const { sourceUrl, targetUrl, source, target } = await setup();
+      const missing = uniqueName('no-such-queue');
+      const run = await migrateWithReport(
+        migrateArgs(
+          source,
+          ['--target-exchange', '', '--target-routing-key', missing],
+          flag,
+          policy,
+          '--retry-for',
+          '2s',
+        ),
+      );
+      expect(run.code, run.stderr).toBe(1);
+      expect(run.stderr.trim().split('\n').at(-1)).toMatch(
+        /10 message\(s\) could not be forwarded .*or use --park-queue or --on-unforwardable dead-letter/,
+      );
+      expect(run.report).toMatchObject({ outcome: 'stalled', forwarded: 0, parked: 0, deadLettered: 0 });
+      expect(run.report).toMatchObject({ remaining: 10, returned: 10 });
+      // Retried by the bridge after a backoff, not returned to the source while the route ran.
+      expect(Number(run.report?.retried)).toBeGreaterThan(0);
+      expect(run.stdout).toContain('the bridge holds it unacked and retries it after a backoff');
+      expect((await delivered('back in the source', sourceUrl, source, ALL)).count).toEqual(exactly(10));
+      expect(await depthOf(targetUrl, target)).toBe(0);
+    },
+  );
+
   it('with --park-queue the unroutable ones move to the park queue and the routable ones arrive', async () => {
     const { sourceUrl, targetUrl, source, target, exchange } = await setup();
     const park = uniqueName('park');
@@ -118,7 +151,7 @@ describe('unroutable messages are never lost', () => {
     expect(await depthOf(sourceUrl, source)).toBe(0);
   });
 
-  it('with --on-unroutable dead-letter they go to the source queue’s dead-letter exchange', async () => {
+  it('with --on-unforwardable dead-letter they go to the source queue’s dead-letter exchange', async () => {
     const { sourceUrl } = servers();
     const dlq = uniqueName('dlq');
     await declareQueue(sourceUrl, dlq);
@@ -130,7 +163,7 @@ describe('unroutable messages are never lost', () => {
       migrateArgs(
         source,
         ['--target-exchange', '', '--target-routing-key', missing],
-        '--on-unroutable',
+        '--on-unforwardable',
         'dead-letter',
       ),
     );

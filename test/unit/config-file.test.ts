@@ -74,7 +74,7 @@ describe('config file', () => {
       prefetch: 50,
       batchSize: 200,
       dedupWindowMs: 7 * 86_400_000,
-      onUnroutable: 'requeue',
+      onUnforwardable: 'retry',
       targetUser: 'bridge',
     });
     expect(orders?.idFrom).toEqual([{ kind: 'header', name: '_HQ_DUPL_ID' }, { kind: 'message-id' }]);
@@ -84,7 +84,7 @@ describe('config file', () => {
       targetQueue: undefined,
       scope: 'exchange:events',
       dedupWindowMs: 86_400_000,
-      onUnroutable: 'park',
+      onUnforwardable: 'park',
       parkQueue: 'audit-parked',
     });
   });
@@ -186,9 +186,9 @@ describe('config file', () => {
     [
       'a park policy without a park queue',
       (file: ReturnType<typeof twoRoutes>) => {
-        Object.assign(file.routes[0] as object, { onUnroutable: 'park' });
+        Object.assign(file.routes[0] as object, { onUnforwardable: 'park' });
       },
-      'routes[0].parkQueue: onUnroutable park needs parkQueue',
+      'routes[0].parkQueue: onUnforwardable park needs parkQueue',
     ],
     [
       'a window not longer than the lease',
@@ -344,7 +344,7 @@ describe('config file', () => {
         {
           name: 'audit',
           target: { exchange: 'events', routingKey: 'audit' },
-          onUnroutable: 'park',
+          onUnforwardable: 'park',
           parkQueue: 'audit-parked',
         },
       ],
@@ -509,6 +509,94 @@ describe('stripCc (--strip-cc)', () => {
     expect(loadError(configFile(file))).toMatch(/defaults\.stripCc: must be true or false$/);
     expect(loadError(configFile(twoRoutes()), { stripCc: true })).toMatch(
       /^--strip-cc \(or DEDUP_BRIDGE_STRIP_CC\): applies to a single route/,
+    );
+  });
+});
+
+describe('onUnroutable, the old name of onUnforwardable', () => {
+  /** The policy of each route of a file of two routes changed by `change`. */
+  function policies(change: (file: ReturnType<typeof twoRoutes>) => void, flags: RawOptions = {}) {
+    const file = twoRoutes();
+    change(file);
+    return loadConfigRoutes(configFile(file), flags, 'run').map((route) => route.onUnforwardable);
+  }
+
+  it('is read as onUnforwardable, in a route and under defaults, and requeue as retry', () => {
+    expect(
+      policies((file) => Object.assign(file.routes[0] as object, { onUnroutable: 'dead-letter' })),
+    ).toEqual(['dead-letter', 'park']);
+    expect(policies((file) => Object.assign(file.routes[0] as object, { onUnroutable: 'requeue' }))).toEqual([
+      'retry',
+      'park',
+    ]);
+    expect(
+      policies((file) => Object.assign(file.routes[0] as object, { onUnforwardable: 'requeue' })),
+    ).toEqual(['retry', 'park']);
+    expect(
+      policies((file) => {
+        Object.assign(file.defaults, { onUnroutable: 'dead-letter' });
+        Object.assign(file.routes[1] as object, { onUnforwardable: 'park' });
+      }),
+    ).toEqual(['dead-letter', 'park']);
+    // A route's policy beats its defaults', whichever name each uses.
+    expect(
+      policies((file) => {
+        Object.assign(file.defaults, { onUnroutable: 'dead-letter' });
+        Object.assign(file.routes[0] as object, { onUnforwardable: 'retry' });
+        Object.assign(file.routes[1] as object, { onUnroutable: 'park' });
+      }),
+    ).toEqual(['retry', 'park']);
+  });
+
+  it('with onUnforwardable in the same place, is refused in one line unless both mean the same', () => {
+    const file = twoRoutes();
+    Object.assign(file.routes[1] as object, { onUnforwardable: 'park', onUnroutable: 'dead-letter' });
+    const path = configFile(file);
+    const message = loadError(path);
+    expect(message).toBe(
+      `${path}: routes[1].onUnroutable: is the old name of onUnforwardable, which is set here too (to park); give only onUnforwardable`,
+    );
+    expect(message).not.toContain('\n');
+    const defaults = twoRoutes();
+    Object.assign(defaults.defaults, { onUnforwardable: 'retry', onUnroutable: 'dead-letter' });
+    expect(loadError(configFile(defaults))).toMatch(
+      /: defaults\.onUnroutable: is the old name of onUnforwardable, which is set here too \(to retry\)/,
+    );
+    expect(
+      policies((same) =>
+        Object.assign(same.routes[0] as object, { onUnforwardable: 'retry', onUnroutable: 'requeue' }),
+      ),
+    ).toEqual(['retry', 'park']);
+  });
+
+  it('takes only the policies, and config check prints the new name', () => {
+    const file = twoRoutes();
+    Object.assign(file.routes[0] as object, { onUnroutable: 'drop' });
+    expect(loadError(configFile(file))).toMatch(
+      /: routes\[0\]\.onUnroutable: must be retry, dead-letter or park$/,
+    );
+    const old = twoRoutes();
+    Object.assign(old.routes[0] as object, { onUnroutable: 'requeue' });
+    const path = configFile(old);
+    const described = describeConfig(loadConfigFile(path), loadConfigRoutes(path, {}, 'run')) as {
+      routes: Record<string, unknown>[];
+    };
+    expect(described.routes[0]).toMatchObject({ onUnforwardable: 'retry' });
+    expect(described.routes[0]).not.toHaveProperty('onUnroutable');
+  });
+
+  it('--on-unroutable replaces the policy of a single route, and is a route flag', () => {
+    const single = twoRoutes();
+    single.routes = [single.routes[1] as Record<string, unknown>];
+    const path = configFile(single);
+    const [route] = loadConfigRoutes(path, { onUnroutable: 'requeue' }, 'run');
+    expect(route).toMatchObject({ onUnforwardable: 'retry', parkQueue: undefined });
+    expect(loadError(path, { onUnforwardable: 'park', onUnroutable: 'dead-letter' })).toBe(
+      '--on-unforwardable: is park, but --on-unroutable (its old name) is dead-letter; give only --on-unforwardable',
+    );
+    const two = configFile(twoRoutes());
+    expect(loadError(two, { onUnroutable: 'dead-letter' })).toBe(
+      `--on-unroutable: applies to a single route, but ${two} has 2 routes; set it per route in the file`,
     );
   });
 });

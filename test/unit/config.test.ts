@@ -223,7 +223,7 @@ describe('resolveBridgeSettings: defaults', () => {
     expect(settings.leaseMs).toBe(15_000);
     expect(settings.redisUrl).toBe('redis://127.0.0.1:6379');
     expect(settings.redisPrefix).toBe('dedup');
-    expect(settings.onUnroutable).toBe('requeue');
+    expect(settings.onUnforwardable).toBe('retry');
     expect(settings.parkQueue).toBeUndefined();
     expect(settings.logLevel).toBe('info');
     expect(settings.retryForMs).toBe(0);
@@ -320,14 +320,14 @@ describe('resolveBridgeSettings: defaults', () => {
 
   it('implies the park policy from --park-queue', () => {
     const settings = resolve({ parkQueue: 'parked' });
-    expect(settings.onUnroutable).toBe('park');
+    expect(settings.onUnforwardable).toBe('park');
     expect(settings.parkQueue).toBe('parked');
-    expect(resolve({ parkQueue: 'parked', onUnroutable: 'park' }).onUnroutable).toBe('park');
+    expect(resolve({ parkQueue: 'parked', onUnforwardable: 'park' }).onUnforwardable).toBe('park');
   });
 
-  it('accepts the other unroutable policies without a park queue', () => {
-    expect(resolve({ onUnroutable: 'dead-letter' }).onUnroutable).toBe('dead-letter');
-    expect(resolve({ onUnroutable: 'requeue' }).onUnroutable).toBe('requeue');
+  it('accepts the other unforwardable policies without a park queue', () => {
+    expect(resolve({ onUnforwardable: 'dead-letter' }).onUnforwardable).toBe('dead-letter');
+    expect(resolve({ onUnforwardable: 'retry' }).onUnforwardable).toBe('retry');
   });
 });
 
@@ -509,21 +509,21 @@ describe('resolveBridgeSettings: validation', () => {
     expect(message).toContain('--target-exchange');
   });
 
-  it('rejects --on-unroutable park without --park-queue', () => {
-    const message = resolveError({ onUnroutable: 'park' });
+  it('rejects --on-unforwardable park without --park-queue', () => {
+    const message = resolveError({ onUnforwardable: 'park' });
     expect(message).toMatch(/^--park-queue: /);
-    expect(message).toContain('--on-unroutable park');
+    expect(message).toContain('--on-unforwardable park');
   });
 
   it('rejects --park-queue with another policy', () => {
-    const message = resolveError({ parkQueue: 'parked', onUnroutable: 'dead-letter' });
+    const message = resolveError({ parkQueue: 'parked', onUnforwardable: 'dead-letter' });
     expect(message).toMatch(/^--park-queue: /);
     expect(message).toContain('dead-letter');
   });
 
-  it('rejects an unknown --on-unroutable policy', () => {
-    expect(resolveError({ onUnroutable: 'drop' })).toMatch(
-      /^--on-unroutable: .*requeue, dead-letter or park/,
+  it('rejects an unknown --on-unforwardable policy', () => {
+    expect(resolveError({ onUnforwardable: 'drop' })).toMatch(
+      /^--on-unforwardable: .*retry, dead-letter or park/,
     );
   });
 
@@ -677,5 +677,62 @@ describe('flags that agree with the file (issue 17, item 6)', () => {
       resolveMigrateSettings({ ...MIGRATE, jobFile: '/nonexistent/job.yaml' }),
     ).message;
     expect(message).toMatch(/^--source-queue: does not go with --job-file/);
+  });
+});
+
+describe('--on-unroutable and requeue, the old names of --on-unforwardable and retry', () => {
+  /** What `run` collects from these flags, as the CLI defines its options. */
+  function parsed(argv: string[]): RawOptions {
+    const command = addBridgeOptions(new Command('run').exitOverride(), 'run');
+    command.parse(['--source-queue', 'q', '--target-queue', 'q2', ...argv], { from: 'user' });
+    return command.opts() as RawOptions;
+  }
+  const policyOf = (argv: string[]) => resolve({ ...parsed(argv) }).onUnforwardable;
+
+  it('mean the same as the new names', () => {
+    expect(policyOf(['--on-unroutable', 'dead-letter'])).toBe('dead-letter');
+    expect(policyOf(['--on-unroutable', 'requeue'])).toBe('retry');
+    expect(policyOf(['--on-unforwardable', 'requeue'])).toBe('retry');
+    expect(policyOf(['--on-unroutable', 'park', '--park-queue', 'parked'])).toBe('park');
+    // Both names with values of the same meaning are no conflict.
+    expect(policyOf(['--on-unforwardable', 'retry', '--on-unroutable', 'requeue'])).toBe('retry');
+    expect(policyOf([])).toBe('retry');
+    expect(
+      resolveMigrateSettings({
+        ...MIGRATE,
+        sourceQueue: ['a', 'b'],
+        targetQueue: undefined,
+        onUnroutable: 'requeue',
+      }).routes.map((route) => route.onUnforwardable),
+    ).toEqual(['retry', 'retry']);
+  });
+
+  it('are refused in one line when the old and the new name say different policies', () => {
+    const error = configError(() =>
+      resolve({ ...parsed(['--on-unforwardable', 'retry', '--on-unroutable', 'dead-letter']) }),
+    );
+    expect(error.message).toBe(
+      '--on-unforwardable: is retry, but --on-unroutable (its old name) is dead-letter; give only --on-unforwardable',
+    );
+    expect(error.message).not.toContain('\n');
+  });
+
+  it('the old flag takes the same values, and its park needs --park-queue as the new one', () => {
+    expect(resolveError({ onUnroutable: 'drop' })).toBe(
+      '--on-unroutable: must be retry, dead-letter or park',
+    );
+    expect(resolveError({ onUnroutable: 'park' })).toBe(
+      '--park-queue: --on-unforwardable park needs --park-queue <name>',
+    );
+    expect(resolveError({ onUnroutable: 'requeue', parkQueue: 'parked' })).toBe(
+      '--park-queue: cannot be combined with --on-unforwardable retry',
+    );
+  });
+
+  it('--help shows the new name only', () => {
+    const help = addBridgeOptions(new Command('run'), 'run').helpInformation();
+    expect(help).toContain('--on-unforwardable <policy>');
+    expect(help).not.toContain('--on-unroutable');
+    expect(help).not.toContain('requeue');
   });
 });

@@ -31,7 +31,7 @@ function routeSettings(overrides: Partial<RouteSettings>): RouteSettings {
     idFrom: parseIdFrom(DEFAULT_ID_FROM),
     batchSize: 10,
     leaseMs: LEASE_MS,
-    onUnroutable: 'requeue',
+    onUnforwardable: 'retry',
     parkQueue: undefined,
     requeueDelay: { initialMs: 100, maxMs: 400 },
     routeMark: 'rabbit@source/%2F/orders',
