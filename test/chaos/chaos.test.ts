@@ -28,6 +28,7 @@ import {
   TARGET_LINK_BYTES_PER_S,
   totalMessages,
   untilDepth,
+  untilSourceEmpty,
   waitForTransfer,
 } from './world.js';
 
@@ -390,8 +391,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         volatileRedis,
         prefetch: PREFETCH,
       });
-      for (let i = 0; i < 600 && (await totalMessages(world.source, sourceQueue)) !== 0; i++)
-        await sleep(200);
+      await untilSourceEmpty(world, sourceQueue, 120_000);
       await sleep(500);
       bridge.signal('SIGTERM');
       await bridge.done;
