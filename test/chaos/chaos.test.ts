@@ -3,6 +3,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { migrateWithReport, type RunningCli, startCli, uniqueName } from '../helpers.js';
 import {
   ChaosWorld,
+  type Copy,
   DepthProbe,
   DepthWatch,
   declare,
@@ -200,7 +201,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       done ? '' : 'timed out',
     );
     result.landed = landings.map((landing) => landing.percent);
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expect(exit.code, exit.stderr).toBe(0);
     expectLanded(name, landings);
@@ -219,6 +220,18 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     expect(result.unexpected, JSON.stringify(result)).toBe(0);
     expect(result.unflagged, 'every duplicate is flagged in-doubt').toBe(0);
     expect(result.duplicates).toBeLessThanOrEqual(faults * prefetch);
+  }
+
+  /**
+   * The idempotent consumer's view of the copies (ScenarioResult.afterConsumer): reported in the
+   * table, never asserted, and no evidence about the bridge. Where the target holds each ID once
+   * there is nothing for the consumer to dedup (its handler runs once per ID, trivially), so the
+   * short run reads it only where there are duplicates: reading thousands through it takes seconds
+   * a scenario. The full table, which the docs quote, reads it for every scenario.
+   */
+  async function consumerView(result: ScenarioResult, copies: Copy[]): Promise<number | undefined> {
+    if (!FULL && result.duplicates === 0) return undefined;
+    return duplicatesAfterConsumer(world, copies);
   }
 
   /** KILLS points of the transfer (messages on the target), one at random in each slice of KILL_SPAN. */
@@ -271,7 +284,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       done ? '' : 'timed out',
     );
     result.landed = landings.map((landing) => landing.percent);
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expect(exit.code, exit.stderr).toBe(0);
     expect(landings.length, 'kills during the transfer').toBe(KILLS);
@@ -311,7 +324,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     const copies = await drainTarget(world.target.url, targetQueue);
     const result = score(name, 'Shovel', ids, copies, 1, started, done ? '' : 'timed out');
     result.landed = [landing.percent];
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expectLanded(`Shovel ${name}`, [landing]);
     return result;
@@ -471,7 +484,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       done ? '' : 'timed out',
     );
     result.landed = landings.map((landing) => landing.percent);
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expect(exits.map((exit) => exit.code)).toEqual([0, 0]);
     expect(landings.length, 'kills during the transfer').toBe(KILLS);
@@ -702,7 +715,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         const copies = await drainTarget(world.target.url, targetQueue);
         const result = score(`poison ×5 (${policy})`, 'dedup-bridge', innocent, copies, 1, started);
         result.landed = [percentOf(watch.at(firstClose.time) as number, innocent.length)];
-        result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+        result.afterConsumer = await consumerView(result, copies);
         results.push(result);
         expect(result.lost).toBe(0);
         expect(result.unexpected).toBe(0);
