@@ -661,12 +661,17 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         try {
           if (policy === 'requeue') {
             const bridge = startCli(['run', ...common]);
-            // Until the innocent have all arrived, then long enough for each poison message to come
-            // back from its backoff (1 s, then 2 s) and be tried again.
+            // Until the innocent have all arrived, then until each poison message has come back
+            // from its backoff (1 s, then 2 s) and been tried again: two trial closes for each.
             const arrived = await waitForTarget(targetQueue, innocent.length, async () => {
               return (await totalMessages(world.source, sourceQueue)) === poison.length;
             });
-            await sleep(4_000);
+            const trialCloseCount = () =>
+              bridge
+                .output()
+                .split('\n')
+                .filter((l) => l.includes('"msg":"target trial channel error"')).length;
+            for (let i = 0; i < 300 && trialCloseCount() < 2 * poison.length; i++) await sleep(100);
             bridge.signal('SIGTERM');
             const exit = await bridge.done;
             output = exit.stdout;
