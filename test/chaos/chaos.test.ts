@@ -3,6 +3,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { migrateWithReport, type RunningCli, startCli, uniqueName } from '../helpers.js';
 import {
   ChaosWorld,
+  type Copy,
   DepthProbe,
   DepthWatch,
   declare,
@@ -28,6 +29,7 @@ import {
   TARGET_LINK_BYTES_PER_S,
   totalMessages,
   untilDepth,
+  untilSourceEmpty,
   waitForTransfer,
 } from './world.js';
 
@@ -199,7 +201,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       done ? '' : 'timed out',
     );
     result.landed = landings.map((landing) => landing.percent);
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expect(exit.code, exit.stderr).toBe(0);
     expectLanded(name, landings);
@@ -218,6 +220,18 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     expect(result.unexpected, JSON.stringify(result)).toBe(0);
     expect(result.unflagged, 'every duplicate is flagged in-doubt').toBe(0);
     expect(result.duplicates).toBeLessThanOrEqual(faults * prefetch);
+  }
+
+  /**
+   * The idempotent consumer's view of the copies (ScenarioResult.afterConsumer): reported in the
+   * table, never asserted, and no evidence about the bridge. Where the target holds each ID once
+   * there is nothing for the consumer to dedup (its handler runs once per ID, trivially), so the
+   * short run reads it only where there are duplicates: reading thousands through it takes seconds
+   * a scenario. The full table, which the docs quote, reads it for every scenario.
+   */
+  async function consumerView(result: ScenarioResult, copies: Copy[]): Promise<number | undefined> {
+    if (!FULL && result.duplicates === 0) return undefined;
+    return duplicatesAfterConsumer(world, copies);
   }
 
   /** KILLS points of the transfer (messages on the target), one at random in each slice of KILL_SPAN. */
@@ -270,7 +284,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       done ? '' : 'timed out',
     );
     result.landed = landings.map((landing) => landing.percent);
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expect(exit.code, exit.stderr).toBe(0);
     expect(landings.length, 'kills during the transfer').toBe(KILLS);
@@ -310,7 +324,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     const copies = await drainTarget(world.target.url, targetQueue);
     const result = score(name, 'Shovel', ids, copies, 1, started, done ? '' : 'timed out');
     result.landed = [landing.percent];
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expectLanded(`Shovel ${name}`, [landing]);
     return result;
@@ -390,8 +404,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         volatileRedis,
         prefetch: PREFETCH,
       });
-      for (let i = 0; i < 600 && (await totalMessages(world.source, sourceQueue)) !== 0; i++)
-        await sleep(200);
+      await untilSourceEmpty(world, sourceQueue, 120_000);
       await sleep(500);
       bridge.signal('SIGTERM');
       await bridge.done;
@@ -471,7 +484,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       done ? '' : 'timed out',
     );
     result.landed = landings.map((landing) => landing.percent);
-    result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+    result.afterConsumer = await consumerView(result, copies);
     results.push(result);
     expect(exits.map((exit) => exit.code)).toEqual([0, 0]);
     expect(landings.length, 'kills during the transfer').toBe(KILLS);
@@ -648,12 +661,17 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         try {
           if (policy === 'requeue') {
             const bridge = startCli(['run', ...common]);
-            // Until the innocent have all arrived, then long enough for each poison message to come
-            // back from its backoff (1 s, then 2 s) and be tried again.
+            // Until the innocent have all arrived, then until each poison message has come back
+            // from its backoff (1 s, then 2 s) and been tried again: two trial closes for each.
             const arrived = await waitForTarget(targetQueue, innocent.length, async () => {
               return (await totalMessages(world.source, sourceQueue)) === poison.length;
             });
-            await sleep(4_000);
+            const trialCloseCount = () =>
+              bridge
+                .output()
+                .split('\n')
+                .filter((l) => l.includes('"msg":"target trial channel error"')).length;
+            for (let i = 0; i < 300 && trialCloseCount() < 2 * poison.length; i++) await sleep(100);
             bridge.signal('SIGTERM');
             const exit = await bridge.done;
             output = exit.stdout;
@@ -702,7 +720,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         const copies = await drainTarget(world.target.url, targetQueue);
         const result = score(`poison ×5 (${policy})`, 'dedup-bridge', innocent, copies, 1, started);
         result.landed = [percentOf(watch.at(firstClose.time) as number, innocent.length)];
-        result.afterConsumer = await duplicatesAfterConsumer(world, copies);
+        result.afterConsumer = await consumerView(result, copies);
         results.push(result);
         expect(result.lost).toBe(0);
         expect(result.unexpected).toBe(0);

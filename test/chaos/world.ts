@@ -86,13 +86,24 @@ export class ChaosWorld {
     return this.proxies.target.urlFor(this.target.url);
   }
 
+  /**
+   * Cheap reads of the source's ready count and the target's depth (see DepthProbe), for the
+   * waits that poll while a transfer runs: `rabbitmqctl` starts an Erlang VM for each call.
+   */
+  readonly probes = {
+    source: new DepthProbe(() => this.source.url),
+    target: new DepthProbe(() => this.target.url),
+  };
+
+  /** Killed, not stopped: they are thrown away, and a graceful stop of a node takes seconds. */
   async stop(): Promise<void> {
+    await Promise.allSettled([this.probes.source.close(), this.probes.target.close()]);
     await Promise.allSettled(Object.values(this.proxies ?? {}).map((proxy) => proxy.stop()));
     await Promise.allSettled([
-      this.source.stop(),
-      this.target.stop(),
-      this.redisAof.stop(),
-      this.redisVolatile.stop(),
+      this.source.stop(true),
+      this.target.stop(true),
+      this.redisAof.stop(true),
+      this.redisVolatile.stop(true),
     ]);
     rmSync(this.runDir, { recursive: true, force: true });
   }
@@ -148,16 +159,50 @@ export interface Copy {
   inDoubt: boolean;
 }
 
-/** Takes every message from a queue: its `_HQ_DUPL_ID` and whether it was flagged in-doubt. */
+/**
+ * Takes every message from a queue, in the queue's order: its `_HQ_DUPL_ID` and whether it was
+ * flagged in-doubt. What the queue holds when called comes through one consumer (a round trip per
+ * message, as basic.get takes, is a second or more for a scenario's thousands); then basic.get
+ * until the queue is empty takes whatever came after.
+ */
 export async function drainTarget(url: string, queue: string): Promise<Copy[]> {
   const connection = await amqp.connect(url);
   const channel = await connection.createChannel();
   const copies: Copy[] = [];
+  const take = (message: { properties: { headers?: Record<string, unknown> } }) => {
+    const headers = message.properties.headers ?? {};
+    copies.push({ id: String(headers._HQ_DUPL_ID), inDoubt: headers['x-dedup-in-doubt'] === true });
+  };
+  const { messageCount } = await channel.checkQueue(queue);
+  if (messageCount > 0) {
+    let delivered = () => {};
+    const { consumerTag } = await channel.consume(
+      queue,
+      (message) => {
+        if (message) take(message);
+        delivered();
+      },
+      { noAck: true },
+    );
+    // Until the count is in, or nothing came for a while (a message may expire or be taken).
+    for (let got = -1; copies.length < messageCount && copies.length > got; ) {
+      got = copies.length;
+      await new Promise<void>((resolve) => {
+        const quiet = setTimeout(resolve, 2000);
+        delivered = () => {
+          if (copies.length >= messageCount) {
+            clearTimeout(quiet);
+            resolve();
+          }
+        };
+      });
+    }
+    await channel.cancel(consumerTag);
+  }
   for (;;) {
     const message = await channel.get(queue, { noAck: true });
     if (message === false) break;
-    const headers = message.properties.headers ?? {};
-    copies.push({ id: String(headers._HQ_DUPL_ID), inDoubt: headers['x-dedup-in-doubt'] === true });
+    take(message);
   }
   await connection.close();
   return copies;
@@ -399,7 +444,13 @@ export function startBridgeProcess(options: BridgeOptions): RunningCli {
   ]);
 }
 
-/** Waits until the source holds nothing (ready or unacked) and the target has all `count` IDs. */
+/**
+ * Waits until the source holds nothing (ready or unacked) and the target has all `count` IDs.
+ * Polls the cheap probes until they say so (the source's ready count is 0, the target holds
+ * `count`), and only then asks rabbitmqctl, which also counts the source's unacked messages: each
+ * call starts an Erlang VM, a second or two of CPU that would otherwise be spent every poll, while
+ * the transfer runs, on a machine of two cores.
+ */
 export async function waitForTransfer(
   world: ChaosWorld,
   sourceQueue: string,
@@ -409,12 +460,34 @@ export async function waitForTransfer(
 ): Promise<boolean> {
   const deadline = Date.now() + timeoutMs;
   while (Date.now() < deadline) {
-    const [left, arrived] = await Promise.all([
-      totalMessages(world.source, sourceQueue),
-      totalMessages(world.target, targetQueue),
+    const [ready, depth] = await Promise.all([
+      world.probes.source.depth(sourceQueue),
+      world.probes.target.depth(targetQueue),
     ]);
-    if (left === 0 && arrived >= count) return true;
-    await sleep(250);
+    if (ready === 0 && depth >= count) {
+      const [left, arrived] = await Promise.all([
+        totalMessages(world.source, sourceQueue),
+        totalMessages(world.target, targetQueue),
+      ]);
+      if (left === 0 && arrived >= count) return true;
+    }
+    await sleep(100);
+  }
+  return false;
+}
+
+/** Waits until the source queue holds nothing, ready or unacked: probed cheaply, confirmed by rabbitmqctl. */
+export async function untilSourceEmpty(
+  world: ChaosWorld,
+  queue: string,
+  timeoutMs: number,
+): Promise<boolean> {
+  const deadline = Date.now() + timeoutMs;
+  while (Date.now() < deadline) {
+    if ((await world.probes.source.depth(queue)) === 0 && (await totalMessages(world.source, queue)) === 0) {
+      return true;
+    }
+    await sleep(100);
   }
   return false;
 }
@@ -430,7 +503,8 @@ export class DepthProbe {
   /** The channel, or the promise of it while one is being opened (reads may come at once). */
   private channel: Promise<Channel> | undefined;
 
-  constructor(private readonly url: string) {}
+  /** A URL, or a function that gives it when first needed (a node's port is known once it started). */
+  constructor(private readonly url: string | (() => string)) {}
 
   async depth(queue: string): Promise<number> {
     try {
@@ -444,7 +518,8 @@ export class DepthProbe {
 
   private async open(): Promise<Channel> {
     if (!this.connection) {
-      const connection = await amqp.connect(this.url, { timeout: 2000 });
+      const url = typeof this.url === 'string' ? this.url : this.url();
+      const connection = await amqp.connect(url, { timeout: 2000 });
       connection.on('error', () => {});
       connection.on('close', () => {
         if (this.connection === connection) this.drop();

@@ -55,8 +55,10 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
   const source = new RabbitNode(runDir, 'source', { management: true });
   const target = new RabbitNode(runDir, 'target');
   const redis = new RedisServer(runDir, 'redis', options.redisAppendonly ?? false);
+  // Killed, not stopped: the servers and their folder are thrown away, and a graceful stop of the
+  // source node (with its management plugin) takes seconds at the end of every run.
   const stop = async () => {
-    await Promise.allSettled([source.stop(), target.stop(), redis.stop()]);
+    await Promise.allSettled([source.stop(true), target.stop(true), redis.stop(true)]);
     rmSync(runDir, { recursive: true, force: true });
   };
   // Stop what we started also when the run is interrupted.

@@ -222,7 +222,15 @@ describe('migrate: the scheduled job', () => {
     holder.signal('SIGKILL');
     await holder.done;
     expect((await migrateWithReport(jobArgs([queue]))).code).toBe(3);
-    await new Promise((resolve) => setTimeout(resolve, 6500));
+    // The crashed run's lock lives out its lease (6 s): until Redis drops the key, then one more run.
+    const { redisUrl } = servers();
+    const job = /job "(migrate-[0-9a-f]{12})"/.exec(overlap.stderr)?.[1];
+    const redis = new Redis(redisUrl);
+    const lockKey = `dedup:job:${job}`;
+    expect(await redis.exists(lockKey), `the job lock ${lockKey} in Redis`).toBe(1);
+    const expired = await waitFor(async () => (await redis.exists(lockKey)) === 0, 15_000);
+    await redis.quit();
+    expect(expired, `the crashed run's lock ${lockKey} expired`).toBe(true);
     const next = await migrateWithReport(jobArgs([queue]));
     expect(next.code).toBe(0);
   });
