@@ -1,5 +1,6 @@
 import amqp from 'amqplib';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { FaultProxy } from '../harness/proxy.js';
 import { migrateWithReport, type RunningCli, startCli, uniqueName } from '../helpers.js';
 import {
   ChaosWorld,
@@ -64,6 +65,24 @@ interface Landing {
   what: string;
   depth: number;
   percent: number;
+}
+
+/**
+ * Waits (up to 20 s) until a replica's target link carries publishes in two polls in a row, 100 ms
+ * apart: it is forwarding, so it holds claims for what it has in flight.
+ */
+async function untilPublishing(link: FaultProxy): Promise<boolean> {
+  const deadline = Date.now() + 20_000;
+  let before = link.clientBytes;
+  let busyPolls = 0;
+  while (Date.now() < deadline) {
+    await sleep(100);
+    const now = link.clientBytes;
+    busyPolls = now > before ? busyPolls + 1 : 0;
+    before = now;
+    if (busyPolls >= 2) return true;
+  }
+  return false;
 }
 
 describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, {
@@ -535,6 +554,12 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         for (let k = 0; k < STALLS; k++) {
           const at = Math.round((STALL_MESSAGES * (15 + k * 20)) / 100);
           expect(await untilDepth(probe, targetQueue, at), `the transfer never reached ${at}`).toBe(true);
+          // Only while the replica to stall publishes, so that it holds claims when it stalls: the
+          // broker shares deliveries between the two, but one may take a while to get its share.
+          expect(
+            await untilPublishing(links.target),
+            `${name} ${k + 1}: the replica to stall was not publishing`,
+          ).toBe(true);
           landings.push(await land(targetQueue, `${name} ${k + 1}`, STALL_MESSAGES));
           stallStarts.push(Date.now());
           if (stall === 'paused') stalled.signal('SIGSTOP');

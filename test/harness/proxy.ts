@@ -118,6 +118,8 @@ export class FaultProxy {
     down: new PacedLink(undefined, (to, chunk) => this.deliver(to, chunk)),
   };
   port = 0;
+  /** Bytes the clients sent towards the server so far (what a fault test reads to time a fault). */
+  clientBytes = 0;
 
   constructor(
     private readonly targetHost: string,
@@ -162,6 +164,7 @@ export class FaultProxy {
       // Server bytes not yet a whole frame, while frames are being swallowed.
       let partial: Buffer = Buffer.alloc(0);
       from.on('data', (data: Buffer) => {
+        if (from === client) this.clientBytes += data.length;
         let chunk = data;
         if (from === upstream && (this.swallowed.size > 0 || partial.length > 0)) {
           const kept = this.swallow(Buffer.concat([partial, chunk]));
