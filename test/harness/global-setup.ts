@@ -7,6 +7,7 @@ declare module 'vitest' {
     harness: {
       sourceUrl: string;
       targetUrl: string;
+      targetStreamUrl: string;
       redisUrl: string;
       sourceManagementUrl: string;
       own: boolean;
@@ -23,6 +24,7 @@ export async function setup(project: TestProject): Promise<void> {
   project.provide('harness', {
     sourceUrl: harness.sourceUrl,
     targetUrl: harness.targetUrl,
+    targetStreamUrl: harness.targetStreamUrl,
     redisUrl: harness.redisUrl,
     sourceManagementUrl: harness.sourceManagementUrl,
     own: harness.own,

@@ -5,6 +5,11 @@ import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } 
 interface HarnessUrls {
   sourceUrl: string;
   targetUrl: string;
+  /**
+   * The target broker's stream protocol endpoint (rabbitmq-stream://…): TARGET_STREAM_URL, or
+   * derived from TARGET_URL (its credentials and vhost, port 5552, the stream plugin's default).
+   */
+  targetStreamUrl: string;
   redisUrl: string;
   /** The source broker's management API (SOURCE_MANAGEMENT_URL, or derived: port 15672). */
   sourceManagementUrl: string;
@@ -41,6 +46,7 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
     return {
       sourceUrl: SOURCE_URL,
       targetUrl: TARGET_URL,
+      targetStreamUrl: process.env.TARGET_STREAM_URL ?? streamUrlOf(TARGET_URL),
       redisUrl: REDIS_URL,
       sourceManagementUrl: management,
       own: false,
@@ -53,7 +59,9 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
   cleanLeftovers();
   const runDir = newRunDir();
   const source = new RabbitNode(runDir, 'source', { management: true });
-  const target = new RabbitNode(runDir, 'target');
+  // The target serves the stream protocol too, for the stream target's tests (a second or so more
+  // at start, where a node of its own would cost seven).
+  const target = new RabbitNode(runDir, 'target', { stream: true });
   const redis = new RedisServer(runDir, 'redis', options.redisAppendonly ?? false);
   // Killed, not stopped: the servers and their folder are thrown away, and a graceful stop of the
   // source node (with its management plugin) takes seconds at the end of every run.
@@ -76,6 +84,7 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
   return {
     sourceUrl: source.url,
     targetUrl: target.url,
+    targetStreamUrl: target.streamUrl,
     redisUrl: redis.url,
     sourceManagementUrl: source.managementUrl,
     own: true,
@@ -89,4 +98,11 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
       await stop();
     },
   };
+}
+
+/** The stream endpoint of an AMQP broker's URL: the same user, password, host and vhost, port 5552. */
+function streamUrlOf(amqpUrl: string): string {
+  const url = new URL(amqpUrl);
+  const user = url.username || url.password ? `${url.username}:${url.password}@` : '';
+  return `rabbitmq-stream://${user}${url.hostname}:5552/${url.pathname.replace(/^\//, '')}`;
 }

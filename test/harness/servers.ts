@@ -136,6 +136,8 @@ export interface RabbitNodeOptions {
   management?: boolean;
   /** Extra rabbitmq.conf lines. */
   config?: string[];
+  /** Serve the stream protocol on a free loopback port (enables rabbitmq_stream). */
+  stream?: boolean;
 }
 
 /** A throwaway RabbitMQ node on free loopback ports, in its own folder. */
@@ -144,6 +146,8 @@ export class RabbitNode {
   readonly nodeName: string;
   port = 0;
   managementPort = 0;
+  /** The stream protocol's port, when the node serves it; 0 otherwise. */
+  streamPort = 0;
   private distPort = 0;
   private readonly user = rabbitUser();
 
@@ -158,6 +162,11 @@ export class RabbitNode {
 
   get url(): string {
     return `amqp://guest:guest@127.0.0.1:${this.port}`;
+  }
+
+  /** The stream protocol endpoint (default vhost), when the node serves it; '' otherwise. */
+  get streamUrl(): string {
+    return this.streamPort ? `rabbitmq-stream://guest:guest@127.0.0.1:${this.streamPort}/` : '';
   }
 
   /** The management API, when the node serves it; '' otherwise. */
@@ -207,6 +216,15 @@ export class RabbitNode {
         this.managementPort = await freePort();
         plugins.push('rabbitmq_management');
         extra.push(`management.tcp.port = ${this.managementPort}`, 'management.tcp.ip = 127.0.0.1');
+      }
+      if (this.options.stream) {
+        this.streamPort = await freePort();
+        plugins.push('rabbitmq_stream');
+        // Advertised by its loopback address (metadata answers name the leader by it), not the host name.
+        extra.push(
+          `stream.listeners.tcp.1 = 127.0.0.1:${this.streamPort}`,
+          'stream.advertised_host = 127.0.0.1',
+        );
       }
       writeFileSync(join(this.dir, 'enabled_plugins'), `[${plugins.join(',')}].\n`);
       writeFileSync(
