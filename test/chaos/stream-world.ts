@@ -1,0 +1,155 @@
+import { rmSync } from 'node:fs';
+import { FaultProxy } from '../harness/proxy.js';
+import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
+import { type RunningCli, startCli } from '../helpers.js';
+import { countStored, offenders, readStored, type StreamCount, StreamWatch } from '../stream-helpers.js';
+import { DepthProbe, type LogLine, logLines, sleep, totalMessages } from './world.js';
+
+/**
+ * The stream link carries at most this many bytes a second (each way, every connection through the
+ * proxy together): about 600 of the suite's messages a second, so that a fault lands inside a
+ * transfer of thousands whatever else the CPU is doing, as the AMQP chaos suite paces its target.
+ */
+export const STREAM_LINK_BYTES_PER_S = 250_000;
+
+/** A short lease, so that a killed owner's producer and claims are taken over in seconds. */
+export const LEASE = '2s';
+
+/**
+ * Servers the stream chaos suite owns, so it may kill and restart them: a source node, a target
+ * node serving the stream protocol, a Redis with AOF, and a fault proxy (a slow line) in front of
+ * the target's stream port, through which the bridges write.
+ */
+export class StreamWorld {
+  readonly source: RabbitNode;
+  readonly target: RabbitNode;
+  readonly redis: RedisServer;
+  proxy!: FaultProxy;
+  readonly sourceProbe: DepthProbe;
+
+  private constructor(readonly runDir: string) {
+    this.source = new RabbitNode(runDir, 'stream-chaos-source');
+    this.target = new RabbitNode(runDir, 'stream-chaos-target', { stream: true });
+    this.redis = new RedisServer(runDir, 'stream-chaos-redis', true);
+    this.sourceProbe = new DepthProbe(() => this.source.url);
+  }
+
+  static async create(): Promise<StreamWorld> {
+    if (!haveLocalServers()) {
+      throw new Error('chaos: needs rabbitmq-server and redis-server installed, to stop and restart them');
+    }
+    cleanLeftovers();
+    const world = new StreamWorld(newRunDir());
+    await Promise.all([world.source.start(), world.target.start(), world.redis.start()]);
+    world.proxy = await world.streamProxy();
+    return world;
+  }
+
+  /** A proxy of its own in front of the target's stream port, paced as the shared one. */
+  async streamProxy(): Promise<FaultProxy> {
+    const proxy = new FaultProxy('127.0.0.1', this.target.streamPort);
+    await proxy.start();
+    proxy.setRate(STREAM_LINK_BYTES_PER_S);
+    return proxy;
+  }
+
+  /** The stream URL through a proxy (the shared one by default). */
+  streamUrlVia(proxy: FaultProxy = this.proxy): string {
+    return `rabbitmq-stream://guest:guest@127.0.0.1:${proxy.port}/`;
+  }
+
+  /** `dedup-bridge run` into `stream` through a proxy, with a short lease and source heartbeat. */
+  startBridge(
+    sourceQueue: string,
+    stream: string,
+    options: { proxy?: FaultProxy; prefetch?: number; extra?: string[] } = {},
+  ): RunningCli {
+    return startCli([
+      'run',
+      '--source',
+      `${this.source.url}/?heartbeat=2`,
+      '--source-queue',
+      sourceQueue,
+      '--target',
+      this.streamUrlVia(options.proxy),
+      '--target-stream',
+      stream,
+      '--redis',
+      this.redis.url,
+      '--lease',
+      LEASE,
+      '--prefetch',
+      String(options.prefetch ?? 200),
+      '--shutdown-timeout',
+      '20s',
+      ...(options.extra ?? []),
+    ]);
+  }
+
+  /** A watch on a stream of the target node, straight to its port (not through the proxy). */
+  watch(stream: string): StreamWatch {
+    return new StreamWatch(this.target.streamUrl, stream);
+  }
+
+  /**
+   * Waits until the source queue holds nothing (ready or unacked) and the stream holds at least
+   * `count` messages; false when the time is up.
+   */
+  async untilTransferred(sourceQueue: string, watch: StreamWatch, count: number, timeoutMs: number) {
+    const deadline = Date.now() + timeoutMs;
+    while (Date.now() < deadline) {
+      if (watch.count >= count && (await this.sourceProbe.depth(sourceQueue)) === 0) {
+        if ((await totalMessages(this.source, sourceQueue)) === 0) return true;
+      }
+      await sleep(200);
+    }
+    return false;
+  }
+
+  /**
+   * Messages the source broker has settled (acked) for good once the bridge consuming it is gone:
+   * waits until the queue has no consumer (its connection closed, every ack it sent processed),
+   * then counts what the queue holds, ready or unacked.
+   */
+  async ackedAfterExit(sourceQueue: string, sent: number): Promise<number> {
+    for (let i = 0; i < 100; i++) {
+      const consumers = await this.consumers(sourceQueue);
+      if (consumers === 0) break;
+      await sleep(100);
+    }
+    return sent - (await totalMessages(this.source, sourceQueue));
+  }
+
+  private async consumers(queue: string): Promise<number> {
+    const out = await this.source.ctl('list_queues', '-q', '--no-table-headers', 'name', 'consumers');
+    for (const line of out.split('\n')) {
+      const [name, count] = line.trim().split(/\s+/);
+      if (name === queue) return Number(count);
+    }
+    return 0;
+  }
+
+  /** Reads the whole stream straight from the target node and counts it by ID. */
+  async count(
+    label: string,
+    stream: string,
+    ids: readonly string[],
+  ): Promise<{ count: StreamCount; evidence: string }> {
+    const stored = await readStored(this.target.streamUrl, stream, { idleMs: 2000 });
+    return { count: countStored(label, ids, stored), evidence: offenders(ids, stored) };
+  }
+
+  async stop(): Promise<void> {
+    await this.sourceProbe.close().catch(() => {});
+    await this.proxy?.stop().catch(() => {});
+    await Promise.allSettled([this.source.stop(true), this.target.stop(true), this.redis.stop(true)]);
+    rmSync(this.runDir, { recursive: true, force: true });
+  }
+}
+
+/** A bridge's warnings and errors after `since` (ms since the epoch): what it noticed. */
+export function warningsSince(output: string, since: number): LogLine[] {
+  return logLines(output).filter(
+    (line) => line.time >= since && line.level !== 'info' && line.level !== 'debug',
+  );
+}

@@ -1,0 +1,418 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import type { FaultProxy } from '../harness/proxy.js';
+import { type RunningCli, uniqueName } from '../helpers.js';
+import type { StreamCount, StreamWatch } from '../stream-helpers.js';
+import { LEASE, STREAM_LINK_BYTES_PER_S, StreamWorld, warningsSince } from './stream-world.js';
+import {
+  declare,
+  FULL,
+  LANDING_RANGE,
+  type LogLine,
+  percentOf,
+  publishWorkload,
+  randomBetween,
+  sleep,
+  stoppedCounters,
+} from './world.js';
+
+// The stream target under faults (issue 30): every source message on the stream exactly once, with
+// no copy of any kind (no duplicate, nothing flagged x-dedup-in-doubt), across SIGKILLs of the
+// bridge, a restart of the target broker, cut stream connections and three replicas with kills.
+// Each fault is shown to have struck mid-transfer (the stream's count when it struck) and, where a
+// bridge lives on, to have been seen by it. `npm run chaos` (CHAOS_FULL=1) runs the full table;
+// npm test a short form of it.
+
+const MESSAGES = 3_000;
+const KILLS = FULL ? 24 : 6;
+const CUTS = FULL ? 10 : 3;
+const REPLICA_KILLS = FULL ? 8 : 3;
+const PREFETCH = 200;
+const TRANSFER_TIMEOUT_MS = FULL ? 300_000 : 150_000;
+const TEST_TIMEOUT_MS = FULL ? 900_000 : 300_000;
+/** Faults are spread over this share of the transfer (percent of the messages on the stream). */
+const SPAN = { min: 8, max: 85 } as const;
+
+interface Row {
+  scenario: string;
+  sent: number;
+  stored: number;
+  lost: number;
+  duplicated: number;
+  unexpected: number;
+  flagged: number;
+  faults: number;
+  landed: number[];
+  /** Messages on the stream whose source message was still unsettled when a bridge died. */
+  window: number | undefined;
+  seconds: number;
+}
+
+const rows: Row[] = [];
+
+function formatRows(): string {
+  const head = [
+    'scenario',
+    'sent',
+    'stored',
+    'lost',
+    'dup',
+    'unexpected',
+    'flagged',
+    'faults',
+    'landed at',
+    'window',
+    's',
+  ];
+  const body = rows.map((r) => [
+    r.scenario,
+    String(r.sent),
+    String(r.stored),
+    String(r.lost),
+    String(r.duplicated),
+    String(r.unexpected),
+    String(r.flagged),
+    String(r.faults),
+    r.landed.length === 0
+      ? '-'
+      : `${Math.round(Math.min(...r.landed))}–${Math.round(Math.max(...r.landed))}%`,
+    r.window === undefined ? '-' : String(r.window),
+    String(r.seconds),
+  ]);
+  const widths = head.map((h, i) => Math.max(h.length, ...body.map((row) => (row[i] as string).length)));
+  const line = (cells: string[]) => `| ${cells.map((c, i) => c.padEnd(widths[i] as number)).join(' | ')} |`;
+  return [line(head), `|${widths.map((w) => '-'.repeat(w + 2)).join('|')}|`, ...body.map(line)].join('\n');
+}
+
+/** A bridge line about its stream target: the target side, or the stream named. */
+const aboutTheStream = (line: LogLine) => line.side === 'target' || /stream/i.test(line.msg);
+
+/** `count` points of the transfer (messages on the stream), one at random in each slice of SPAN. */
+function faultPoints(count: number, total = MESSAGES): number[] {
+  const slice = (SPAN.max - SPAN.min) / count;
+  return Array.from({ length: count }, (_, k) => {
+    const low = SPAN.min + k * slice;
+    return Math.round((total * randomBetween(low * 10, (low + slice) * 10)) / 1000);
+  });
+}
+
+describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no copies of any kind`, {
+  timeout: TEST_TIMEOUT_MS,
+}, () => {
+  let world: StreamWorld;
+  beforeAll(async () => {
+    world = await StreamWorld.create();
+  }, 180_000);
+  afterAll(async () => {
+    if (rows.length > 0) {
+      process.stdout.write(
+        `\nstream chaos results (${FULL ? 'full' : 'short'} run, ${MESSAGES} messages per scenario, prefetch ${PREFETCH}, lease ${LEASE}, stream link ${STREAM_LINK_BYTES_PER_S / 1000} kB/s):\n${formatRows()}\n`,
+      );
+    }
+    await world?.stop();
+  }, 120_000);
+
+  /** A source queue with the workload in it, and the name of a stream (declared by the first bridge's target). */
+  async function setUp(name: string) {
+    const sourceQueue = uniqueName(`schaos-${name}`);
+    const stream = uniqueName(`schaos-${name}-s`);
+    await declare(world.source.url, sourceQueue);
+    // The stream, declared as an application would (run does not create it).
+    const { default: amqp } = await import('amqplib');
+    const connection = await amqp.connect(world.target.url);
+    const channel = await connection.createChannel();
+    await channel.assertQueue(stream, { durable: true, arguments: { 'x-queue-type': 'stream' } });
+    await connection.close();
+    const ids = await publishWorkload(world.source.url, sourceQueue, name, MESSAGES);
+    return { sourceQueue, stream, ids };
+  }
+
+  /** The stream's count now, as where a fault struck; printed. */
+  function land(watch: StreamWatch, what: string): number {
+    const percent = percentOf(watch.count, MESSAGES);
+    process.stdout.write(
+      `landing: ${what} struck with ${watch.count} of ${MESSAGES} on the stream (${percent}%)\n`,
+    );
+    return percent;
+  }
+
+  /** Every fault struck inside the transfer: some but not all of the messages on the stream. */
+  function expectLanded(name: string, landed: number[], expected: number): void {
+    expect(landed.length, `${name}: faults that struck`).toBe(expected);
+    for (const percent of landed) {
+      expect(percent, `${name}: a fault struck at ${percent}% of the transfer`).toBeGreaterThanOrEqual(
+        LANDING_RANGE.min,
+      );
+      expect(percent, `${name}: a fault struck at ${percent}% of the transfer`).toBeLessThanOrEqual(
+        LANDING_RANGE.max,
+      );
+    }
+  }
+
+  /** 0 lost and 0 copies of any kind on the stream, counted by ID; the figures go in the table. */
+  async function finish(
+    name: string,
+    stream: string,
+    ids: readonly string[],
+    started: number,
+    landed: number[],
+    window?: number,
+  ): Promise<StreamCount> {
+    const { count, evidence } = await world.count(name, stream, ids);
+    rows.push({
+      scenario: name,
+      sent: ids.length,
+      stored: count.stored,
+      lost: count.lost,
+      duplicated: count.duplicated,
+      unexpected: count.unexpected,
+      flagged: count.flagged,
+      faults: landed.length,
+      landed,
+      window,
+      seconds: Math.round((Date.now() - started) / 100) / 10,
+    });
+    expect(count, `${name}: ${evidence}`).toEqual({
+      expected: ids.length,
+      stored: ids.length,
+      lost: 0,
+      duplicated: 0,
+      unexpected: 0,
+      flagged: 0,
+    });
+    return count;
+  }
+
+  /** The first warning a bridge logged from `since` (and before `until`), or fails naming what it did log. */
+  function expectNoticed(
+    name: string,
+    bridge: string,
+    since: number,
+    matches: (line: LogLine) => boolean,
+    until = Number.POSITIVE_INFINITY,
+  ): LogLine {
+    const warnings = warningsSince(bridge, since).filter((line) => line.time < until);
+    const found = warnings.find(matches);
+    expect(
+      found,
+      `${name}: the bridge never logged the fault; its warnings: ${JSON.stringify(warnings.map((w) => w.msg))}`,
+    ).toBeDefined();
+    return found as LogLine;
+  }
+
+  it(`SIGKILL of the bridge ${KILLS} times over one transfer`, async () => {
+    const name = 'stream-kill';
+    const { sourceQueue, stream, ids } = await setUp(name);
+    const started = Date.now();
+    const watch = world.watch(stream);
+    const landed: number[] = [];
+    let window = 0;
+    const perKill: string[] = [];
+    let final: RunningCli | undefined;
+    try {
+      for (const [k, point] of faultPoints(KILLS).entries()) {
+        const bridge = world.startBridge(sourceQueue, stream, { prefetch: PREFETCH });
+        const reached = await watch.until(point, 60_000);
+        landed.push(land(watch, `kill ${k + 1}`));
+        bridge.signal('SIGKILL');
+        const exit = await bridge.done;
+        expect(
+          reached,
+          `kill ${k + 1}: the transfer never reached ${point}; ${exit.stdout.slice(-2000)}`,
+        ).toBe(true);
+        // What the kill left to sort out: messages on the stream whose source message was unsettled.
+        const acked = await world.ackedAfterExit(sourceQueue, MESSAGES);
+        const left = watch.count - acked;
+        window += Math.max(0, left);
+        perKill.push(`${watch.count}/${acked}`);
+      }
+      final = world.startBridge(sourceQueue, stream, { prefetch: PREFETCH });
+      const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
+      expect(done, `the transfer did not finish: ${watch.count} on the stream`).toBe(true);
+    } finally {
+      final?.signal('SIGTERM');
+      await watch.stop();
+    }
+    const exit = await (final as RunningCli).done;
+    process.stdout.write(
+      `seen: ${name}: on the stream / settled at the source after each kill: ${perKill.join(' ')}; ${window} messages on the stream were unsettled at the source when their bridge died\n`,
+    );
+    await finish(name, stream, ids, started, landed, window);
+    expect(exit.code, exit.stderr).toBe(0);
+    expectLanded(name, landed, KILLS);
+    // The kills struck inside the window the stream target closes: messages already on the stream
+    // whose source message was not settled, which the next bridge found landed, and did not copy.
+    expect(window, 'messages on the stream still unsettled at the source when a bridge died').toBeGreaterThan(
+      0,
+    );
+    const counters = stoppedCounters(exit.stdout);
+    process.stdout.write(`seen: ${name}: the last bridge's counters: ${JSON.stringify(counters)}\n`);
+    expect(counters?.inDoubt ?? 0, 'copies the last bridge forwarded flagged in-doubt').toBe(0);
+  });
+
+  for (const how of FULL ? (['stopped', 'killed'] as const) : (['stopped'] as const)) {
+    it(`the target broker ${how} and restarted mid-transfer`, async () => {
+      const name = `stream-target-${how}`;
+      const { sourceQueue, stream, ids } = await setUp(name);
+      const started = Date.now();
+      const watch = world.watch(stream);
+      const bridge = world.startBridge(sourceQueue, stream, { prefetch: PREFETCH });
+      const landed: number[] = [];
+      let since = 0;
+      try {
+        const [point] = faultPoints(1);
+        expect(await watch.until(point as number, 60_000), bridge.output().slice(-2000)).toBe(true);
+        since = Date.now();
+        landed.push(land(watch, `target node ${how}`));
+        await world.target.stop(how === 'killed');
+        await sleep(1000);
+        await world.target.start();
+        const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
+        expect(
+          done,
+          `the transfer did not finish: ${watch.count} on the stream; ${bridge.output().slice(-3000)}`,
+        ).toBe(true);
+      } finally {
+        bridge.signal('SIGTERM');
+        await watch.stop();
+      }
+      const exit = await bridge.done;
+      await finish(name, stream, ids, started, landed);
+      expect(exit.code, exit.stderr).toBe(0);
+      expectLanded(name, landed, 1);
+      const seen = expectNoticed(name, exit.stdout, since, aboutTheStream);
+      process.stdout.write(
+        `seen: ${name}: the bridge logged "${seen.msg}" ${seen.time - since} ms after the stop\n`,
+      );
+    });
+  }
+
+  it(`the stream connection cut mid-frame ${CUTS} times mid-transfer`, async () => {
+    const name = 'stream-cut';
+    const { sourceQueue, stream, ids } = await setUp(name);
+    const started = Date.now();
+    const watch = world.watch(stream);
+    const bridge = world.startBridge(sourceQueue, stream, { prefetch: PREFETCH });
+    const landed: number[] = [];
+    const cutTimes: number[] = [];
+    try {
+      for (const [k, point] of faultPoints(CUTS).entries()) {
+        expect(
+          await watch.until(point, 60_000),
+          `cut ${k + 1}: never reached ${point}; ${bridge.output().slice(-2000)}`,
+        ).toBe(true);
+        // Cut after a random number of bytes more from the bridge: mostly inside a publish frame.
+        const before = world.proxy.clientBytes;
+        const bytes = randomBetween(1, 20_000);
+        cutTimes.push(Date.now());
+        world.proxy.resetAfter(bytes);
+        for (let i = 0; i < 200 && world.proxy.clientBytes < before + bytes; i++) await sleep(50);
+        expect(
+          world.proxy.clientBytes,
+          `cut ${k + 1}: the bridge sent no more bytes to cut`,
+        ).toBeGreaterThanOrEqual(before + bytes);
+        landed.push(land(watch, `cut ${k + 1} (after ${bytes} more bytes)`));
+      }
+      const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
+      expect(
+        done,
+        `the transfer did not finish: ${watch.count} on the stream; ${bridge.output().slice(-3000)}`,
+      ).toBe(true);
+    } finally {
+      bridge.signal('SIGTERM');
+      await watch.stop();
+    }
+    const exit = await bridge.done;
+    await finish(name, stream, ids, started, landed);
+    expect(exit.code, exit.stderr).toBe(0);
+    expectLanded(name, landed, CUTS);
+    // The bridge noticed each cut: a warning about its stream after it, before the next one.
+    for (const [k, at] of cutTimes.entries()) {
+      const seen = expectNoticed(`${name} ${k + 1}`, exit.stdout, at, aboutTheStream, cutTimes[k + 1]);
+      process.stdout.write(
+        `seen: ${name} ${k + 1}: "${seen.msg}" ${seen.time - at} ms after the cut was armed\n`,
+      );
+    }
+  });
+
+  it(`three run replicas, the producer's owner killed ${REPLICA_KILLS} times`, async () => {
+    const name = 'stream-replicas';
+    const { sourceQueue, stream, ids } = await setUp(name);
+    const started = Date.now();
+    const watch = world.watch(stream);
+    // Each replica writes through a proxy of its own, so that the one writing (the owner) shows.
+    const replicas: { bridge: RunningCli; proxy: FaultProxy }[] = [];
+    const spawn = async () => {
+      const proxy = await world.streamProxy();
+      replicas.push({ bridge: world.startBridge(sourceQueue, stream, { proxy, prefetch: PREFETCH }), proxy });
+    };
+    for (let i = 0; i < 3; i++) await spawn();
+    const landed: number[] = [];
+    const owners: number[] = [];
+    let mostWriting = 0;
+    try {
+      for (const [k, point] of faultPoints(REPLICA_KILLS).entries()) {
+        expect(await watch.until(point, 90_000), `replica kill ${k + 1}: never reached ${point}`).toBe(true);
+        const { owner, most } = await writingReplica(replicas.map((r) => r.proxy));
+        expect(
+          owner,
+          `replica kill ${k + 1}: no one replica was writing to the stream`,
+        ).toBeGreaterThanOrEqual(0);
+        // Only one replica writes at a time: the others stand by.
+        mostWriting = Math.max(mostWriting, most);
+        owners.push(owner);
+        landed.push(land(watch, `replica kill ${k + 1} (the owner, replica ${owner})`));
+        const victim = replicas[owner] as { bridge: RunningCli; proxy: FaultProxy };
+        victim.bridge.signal('SIGKILL');
+        await victim.bridge.done;
+        await victim.proxy.stop();
+        replicas.splice(owner, 1);
+        await spawn();
+      }
+      const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
+      expect(done, `the transfer did not finish: ${watch.count} on the stream`).toBe(true);
+    } finally {
+      for (const replica of replicas) replica.bridge.signal('SIGTERM');
+      await watch.stop();
+    }
+    const exits = await Promise.all(replicas.map((replica) => replica.bridge.done));
+    await Promise.all(replicas.map((replica) => replica.proxy.stop()));
+    await finish(name, stream, ids, started, landed);
+    expect(
+      exits.map((exit) => exit.code),
+      exits.map((exit) => exit.stderr).join('\n'),
+    ).toEqual([0, 0, 0]);
+    expectLanded(name, landed, REPLICA_KILLS);
+    const counters = exits.map((exit) => stoppedCounters(exit.stdout));
+    process.stdout.write(
+      `seen: ${name}: owners killed: replicas ${owners.join(', ')}; at most ${mostWriting} replica(s) writing at once; the survivors forwarded ${counters.map((c) => c?.forwarded ?? 0).join(' + ')}, flagged ${counters.map((c) => c?.inDoubt ?? 0).join(' + ')}\n`,
+    );
+    expect(
+      counters.reduce((sum, c) => sum + (c?.inDoubt ?? 0), 0),
+      'copies forwarded flagged in-doubt',
+    ).toBe(0);
+    expect(mostWriting, 'replicas writing to the stream at once').toBe(1);
+  });
+});
+
+/**
+ * Which of the replicas writes to the stream: the one whose proxy carries bytes from it in two
+ * polls in a row (100 ms apart); -1 when none does within 20 s. `most` is the largest number of
+ * replicas seen writing in one poll: more than one would be two owners of one producer at once.
+ */
+async function writingReplica(proxies: FaultProxy[]): Promise<{ owner: number; most: number }> {
+  const deadline = Date.now() + 20_000;
+  let before = proxies.map((proxy) => proxy.clientBytes);
+  let streak = new Array<number>(proxies.length).fill(0);
+  let most = 0;
+  while (Date.now() < deadline) {
+    await sleep(100);
+    const now = proxies.map((proxy) => proxy.clientBytes);
+    const writing = now.map((bytes, i) => bytes - (before[i] as number) > 200);
+    most = Math.max(most, writing.filter(Boolean).length);
+    streak = streak.map((count, i) => (writing[i] ? count + 1 : 0));
+    before = now;
+    const busy = streak.map((count, i) => (count >= 2 ? i : -1)).filter((i) => i >= 0);
+    if (busy.length === 1) return { owner: busy[0] as number, most };
+  }
+  return { owner: -1, most };
+}
