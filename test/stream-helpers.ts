@@ -349,7 +349,7 @@ export class StreamWatch {
         await client.subscribe(1, this.stream, from, 10);
         await closed;
       } catch {
-        // the stream or its node is not there (yet): try again
+        // the stream or its node is not there (yet), or not available yet after a restart: again
       }
       client?.destroy();
       this.client = undefined;
