@@ -34,7 +34,7 @@ const TLS_HELP = [
 /** The CA, client certificate and key files for each server's TLS URL, e.g. --target-ca. */
 export function addTlsOptions(command: Command, sides: (keyof typeof TLS_FLAGS)[]): Command {
   for (const side of sides) {
-    const scheme = side === 'redis' ? 'rediss' : 'amqps';
+    const scheme = side === 'redis' ? 'rediss' : side === 'target' ? 'amqps or rabbitmq-stream+tls' : 'amqps';
     TLS_FLAGS[side].forEach((flags, index) => {
       // --target-ca <file> is also DEDUP_BRIDGE_TARGET_CA
       const env = `DEDUP_BRIDGE_${flags.split(' ')[0]?.slice(2).replace(/-/g, '_').toUpperCase()}`;
@@ -73,7 +73,7 @@ export function addMigrateOptions(command: Command): Command {
     .option('--delete-source-when-empty', 'delete each drained source queue, only if it is still empty')
     .option(
       '--declare-target',
-      'create missing target queues like their source queues (needs --source-management)',
+      'create missing target queues like their source queues (needs --source-management); with --target-stream, create the stream if missing',
     )
     .option(
       '--declare-target-force',
@@ -109,13 +109,25 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
     )
     .addOption(sourceQueueOption(mode))
     .addOption(
-      new Option('--target <url>', 'target broker URL (cluster nodes: comma-separated URLs)').env(
-        'DEDUP_BRIDGE_TARGET',
-      ),
+      new Option(
+        '--target <url>',
+        'target broker URL (cluster nodes: comma-separated URLs), or one stream endpoint, rabbitmq-stream://user:password@host:5552/vhost (with --target-stream)',
+      ).env('DEDUP_BRIDGE_TARGET'),
     )
     .option('--target-queue <name>', 'publish through the default exchange to this queue')
     .option('--target-exchange <name>', 'publish to this exchange instead')
     .option('--target-routing-key <key>', "routing key with --target-exchange (default: the message's own)")
+    .addOption(
+      new Option('--target-stream <name>', 'with a rabbitmq-stream:// --target: the stream to write to').env(
+        'DEDUP_BRIDGE_TARGET_STREAM',
+      ),
+    )
+    .addOption(
+      new Option(
+        '--target-producer <name>',
+        "with --target-stream: the stream producer's name, at most 255 bytes (default: derived from the route)",
+      ).env('DEDUP_BRIDGE_TARGET_PRODUCER'),
+    )
     .addOption(
       new Option('--redis <url>', `dedup cache (default ${DEFAULTS.redis})`).env('DEDUP_BRIDGE_REDIS'),
     )
@@ -126,7 +138,10 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
         'ack a message only once n Redis replicas hold its commit (WAIT); while fewer do, acks are held (default 0: ack when the master answers)',
       ).env('DEDUP_BRIDGE_REDIS_WAIT_REPLICAS'),
     )
-    .option('--scope <name>', 'dedup scope (default queue:<target-queue> or exchange:<target-exchange>)')
+    .option(
+      '--scope <name>',
+      'dedup scope (default queue:<target-queue>, exchange:<target-exchange> or stream:<target-stream>)',
+    )
     .option('--id-from <list>', `where IDs come from, first match wins (default ${DEFAULTS.idFrom})`)
     .option(
       '--dedup-window <duration>',

@@ -9,8 +9,8 @@ import { checkManagementCa, checkManagementUrl } from './migrate-settings.js';
 import { redactUrl } from './redact.js';
 import { urlOrReference } from './secret-source.js';
 import {
-  amqpUrl,
   type BridgeSettings,
+  brokerUrl as brokerUrlText,
   count,
   DEFAULTS,
   exchangeName,
@@ -27,6 +27,7 @@ import {
   unforwardablePolicy,
 } from './settings.js';
 import { formatSize, parseSize } from './size.js';
+import { isStreamUrl } from './stream-url.js';
 
 // A config file describes many routes for one `run` process. This module validates it with paths
 // (`routes[2].target.exchange: …`) and turns each route into RawOptions, so that resolveBridgeSettings
@@ -43,8 +44,9 @@ const tlsFiles = z
 
 // URLs travel to resolveBridgeSettings comma-joined, like the --source flag. Each URL may be given
 // as { file: <path> } or { env: <VARIABLE> } instead (see secret-source.ts).
+// A rabbitmq-stream:// endpoint too, for a route's target (with target.stream).
 const brokerUrl = urlOrReference(
-  amqpUrl.refine((value) => !value.includes(','), 'must not contain a comma; write it as %2C'),
+  brokerUrlText.refine((value) => !value.includes(','), 'must not contain a comma; write it as %2C'),
 );
 
 // The broker's management API (for the source queue TTL check), checked like --source-management.
@@ -201,6 +203,10 @@ const route = z
         queue: name.optional(),
         exchange: exchangeName.optional(),
         routingKey: z.string().optional(),
+        /** The stream to write to, on a broker whose url is rabbitmq-stream://. */
+        stream: name.optional(),
+        /** The stream producer's name (--target-producer). */
+        producer: name.optional(),
         tls: tlsFiles.optional(),
       })
       .strict(),
@@ -266,28 +272,11 @@ const fileSchema = z
       }
       for (const key of keys) if (!consumers.has(key)) consumers.set(key, index);
 
-      const target = item.target;
-      if (target.queue === undefined && target.exchange === undefined) {
-        issue(['target'], 'give queue, or exchange (with routingKey)');
-      }
-      if (target.queue !== undefined && target.exchange !== undefined) {
-        issue(['target', 'exchange'], 'give either queue or exchange, not both');
-      }
-      if (target.routingKey !== undefined && target.exchange === undefined) {
-        issue(['target', 'routingKey'], 'goes with exchange; with queue the routing key is the queue name');
-      }
-      if (item.scope === undefined && target.queue !== undefined && /[{}\s]/.test(target.queue)) {
-        issue(
-          ['scope'],
-          `the target queue "${target.queue}" has braces or spaces; give a scope without them`,
-        );
-      }
-      if (item.scope === undefined && target.exchange !== undefined && /[{}\s]/.test(target.exchange)) {
-        issue(
-          ['scope'],
-          `the target exchange "${target.exchange}" has braces or spaces; give a scope without them`,
-        );
-      }
+      const isStreamBroker = (broker: string) => {
+        const found = file.brokers[broker];
+        return found !== undefined && urlsOf(found).some(isStreamUrl);
+      };
+      for (const [path, message] of targetIssues(item, isStreamBroker)) issue(path, message);
 
       const merged = { ...file.defaults, ...item };
       const onUnforwardable = onUnforwardableOf(merged);
@@ -313,6 +302,74 @@ type Route = z.infer<typeof routeWithOldPolicyName>;
 
 function urlsOf(item: Broker): string[] {
   return item.urls ?? (item.url === undefined ? [] : [item.url]);
+}
+
+/**
+ * What is wrong with a route's target (and a stream broker as its source): a queue, an exchange
+ * (with a routing key), or on a rabbitmq-stream:// broker a stream, one of them.
+ */
+function targetIssues(
+  item: Pick<Route, 'source' | 'target' | 'scope'>,
+  isStreamBroker: (broker: string) => boolean,
+): [(string | number)[], string][] {
+  const issues: [(string | number)[], string][] = [];
+  const target = item.target;
+  if (isStreamBroker(item.source.broker)) {
+    issues.push([
+      ['source', 'broker'],
+      `broker "${item.source.broker}" is a stream endpoint (rabbitmq-stream://); a stream source is not supported yet (issue 31): read the queue over AMQP, from a broker whose url is amqp:// or amqps://`,
+    ]);
+  }
+  const named = (kind: string, value: string | undefined): void => {
+    if (item.scope === undefined && value !== undefined && /[{}\s]/.test(value)) {
+      issues.push([
+        ['scope'],
+        `the target ${kind} "${value}" has braces or spaces; give a scope without them`,
+      ]);
+    }
+  };
+  const streamTarget = isStreamBroker(target.broker);
+  if (streamTarget || target.stream !== undefined) {
+    for (const key of ['queue', 'exchange', 'routingKey'] as const) {
+      if (target[key] !== undefined) {
+        issues.push([['target', key], 'does not go with a stream target; target.stream names the stream']);
+      }
+    }
+    if (!streamTarget) {
+      issues.push([
+        ['target', 'stream'],
+        `goes with a broker whose url is rabbitmq-stream:// (or rabbitmq-stream+tls://); broker "${target.broker}" is not one`,
+      ]);
+    } else if (target.stream === undefined) {
+      issues.push([
+        ['target', 'stream'],
+        `broker "${target.broker}" is a stream endpoint (rabbitmq-stream://): name the stream to write to`,
+      ]);
+    }
+    named('stream', target.stream);
+    return issues;
+  }
+  if (target.producer !== undefined) {
+    issues.push([['target', 'producer'], 'goes with target.stream (a stream target)']);
+  }
+  if (target.queue === undefined && target.exchange === undefined) {
+    issues.push([
+      ['target'],
+      'give queue, or exchange (with routingKey), or stream (on a rabbitmq-stream:// broker)',
+    ]);
+  }
+  if (target.queue !== undefined && target.exchange !== undefined) {
+    issues.push([['target', 'exchange'], 'give either queue or exchange, not both']);
+  }
+  if (target.routingKey !== undefined && target.exchange === undefined) {
+    issues.push([
+      ['target', 'routingKey'],
+      'goes with exchange; with queue the routing key is the queue name',
+    ]);
+  }
+  named('queue', target.queue);
+  named('exchange', target.exchange);
+  return issues;
 }
 
 /** A parkQueue alone implies the park policy, as --park-queue does. */
@@ -392,6 +449,8 @@ const ROUTE_OPTIONS = [
   'targetQueue',
   'targetExchange',
   'targetRoutingKey',
+  'targetStream',
+  'targetProducer',
   'scope',
   'idFrom',
   'dedupWindow',
@@ -430,6 +489,8 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
     targetQueue: item.target.queue,
     targetExchange: item.target.exchange,
     targetRoutingKey: item.target.routingKey,
+    targetStream: item.target.stream,
+    targetProducer: item.target.producer,
     redis: file.redis?.url,
     redisPrefix: file.redis?.prefix,
     redisWaitReplicas: file.redis?.waitReplicas?.toString(),
@@ -466,10 +527,16 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
  */
 function overlay(fromFile: RawOptions, flags: Partial<RawOptions>): RawOptions {
   const base = { ...fromFile };
-  if (flags.targetQueue !== undefined || flags.targetExchange !== undefined) {
+  if (
+    flags.targetQueue !== undefined ||
+    flags.targetExchange !== undefined ||
+    flags.targetStream !== undefined
+  ) {
     base.targetQueue = undefined;
     base.targetExchange = undefined;
     base.targetRoutingKey = undefined;
+    base.targetStream = undefined;
+    base.targetProducer = undefined;
   }
   if (flags.onUnforwardable !== undefined && flags.parkQueue === undefined) base.parkQueue = undefined;
   if (flags.parkQueue !== undefined && flags.onUnforwardable === undefined) base.onUnforwardable = undefined;
@@ -543,6 +610,7 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
     shutdownTimeout: formatDuration(first.shutdownTimeoutMs),
     routes: routes.map((settings, index) => {
       const item = file.routes[index] as Route;
+      const queueOrStream = settings.targetQueue !== undefined || settings.targetStream !== undefined;
       return withoutUndefined({
         name: settings.route,
         source: withoutUndefined({
@@ -555,8 +623,10 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
         target: withoutUndefined({
           urls: settings.targetUrls.map(redactUrl),
           queue: settings.targetQueue,
-          exchange: settings.targetQueue === undefined ? settings.targetExchange : undefined,
-          routingKey: settings.targetQueue === undefined ? settings.targetRoutingKey : undefined,
+          exchange: queueOrStream ? undefined : settings.targetExchange,
+          routingKey: queueOrStream ? undefined : settings.targetRoutingKey,
+          stream: settings.targetStream,
+          producer: settings.targetProducer,
           tls: tlsOf(item, 'target'),
         }),
         scope: settings.scope,

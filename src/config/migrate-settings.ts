@@ -6,14 +6,16 @@ import { ConfigError } from '../errors.js';
 import { parseDuration } from './duration.js';
 import { urlOrReference } from './secret-source.js';
 import {
-  amqpUrlsText,
   type BridgeSettings,
   DEFAULTS,
   decodable,
   type RawOptions,
   redisUrl,
   resolveBridgeSettings,
+  sourceUrlsText,
+  targetUrlsText,
 } from './settings.js';
+import { isStreamUrl } from './stream-url.js';
 import { readCaFile } from './tls.js';
 
 /** What `migrate` collects: the bridge options, with repeatable queues and the job's own options. */
@@ -69,8 +71,9 @@ const queueName = z.string().min(1, 'must not be empty');
 const jobFileSchema = z
   .object({
     // A URL, or { file: <path> } / { env: <VARIABLE> } that holds it (checked like the flags).
-    source: urlOrReference(amqpUrlsText, 'later').optional(),
-    target: urlOrReference(amqpUrlsText, 'later').optional(),
+    source: urlOrReference(sourceUrlsText, 'later').optional(),
+    // A rabbitmq-stream:// URL too: then --target-stream names the stream.
+    target: urlOrReference(targetUrlsText, 'later').optional(),
     redis: urlOrReference(redisUrl, 'later').optional(),
     queues: z
       .array(
@@ -112,6 +115,30 @@ function readJobFile(path: string): JobFile {
     throw new ConfigError(`--job-file ${path}: ${where || 'top level'}: ${message}`);
   }
   return parsed.data;
+}
+
+/**
+ * A migrate to a stream (rabbitmq-stream://) moves one source queue into the stream that
+ * --target-stream names: several queues into one stream would share its producer and dedup
+ * scope, and --map or a job file's target would name queues, not streams.
+ */
+function checkStreamJob(queues: string[], raw: MigrateRawOptions, file: JobFile | undefined): void {
+  if (queues.length !== 1) {
+    throw new ConfigError(
+      `--source-queue: with a stream target (rabbitmq-stream://) a migrate moves exactly one source queue, into the stream --target-stream names; ${queues.length} are listed: run one migrate per queue`,
+    );
+  }
+  if (raw.map !== undefined && raw.map.length > 0) {
+    throw new ConfigError(
+      '--map: does not go with a stream target (rabbitmq-stream://); --target-stream names the stream',
+    );
+  }
+  const index = file?.queues.findIndex((item) => typeof item !== 'string' && item.target !== undefined);
+  if (index !== undefined && index >= 0) {
+    throw new ConfigError(
+      `--job-file ${raw.jobFile}: queues[${index}].target: does not go with a stream target (rabbitmq-stream://); --target-stream names the stream`,
+    );
+  }
 }
 
 function wholeNumber(text: string, flag: string, min: number): number {
@@ -157,6 +184,9 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   for (const source of mapped.keys()) {
     if (!seen.has(source)) throw new ConfigError(`--map: "${source}" is not one of the source queues`);
   }
+  const target = raw.target ?? file?.target;
+  const stream = target?.split(',').some((url) => isStreamUrl(url.trim())) === true;
+  if (stream) checkStreamJob(queues, raw, file);
   if (queues.length > 1 && raw.targetQueue !== undefined) {
     throw new ConfigError(
       '--target-queue: names the target of a single source queue; with several, each goes to the queue of its own name, or use --map source=target',
@@ -166,7 +196,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   const base: RawOptions = {
     ...raw,
     source: raw.source ?? file?.source,
-    target: raw.target ?? file?.target,
+    target,
     redis: raw.redis ?? file?.redis,
     sourceQueue: undefined,
   };
@@ -175,8 +205,11 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
       {
         ...base,
         sourceQueue: queue,
+        // A stream target takes no queue: one given is refused by resolveBridgeSettings, naming it.
         targetQueue:
-          raw.targetExchange !== undefined ? undefined : (raw.targetQueue ?? mapped.get(queue) ?? queue),
+          raw.targetExchange !== undefined || stream
+            ? raw.targetQueue
+            : (raw.targetQueue ?? mapped.get(queue) ?? queue),
       },
       'migrate',
     ),
@@ -196,7 +229,8 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   if (raw.declareTargetForce && !raw.declareTarget) {
     throw new ConfigError('--declare-target-force: goes with --declare-target; give both, or neither');
   }
-  if (raw.declareTarget && !raw.sourceManagement) {
+  // A stream is created with no arguments unless the source queue, read there, is itself a stream.
+  if (raw.declareTarget && !raw.sourceManagement && !stream) {
     throw new ConfigError(
       '--declare-target: needs --source-management <url> (the source broker management API, e.g. http://user:password@host:15672)',
     );

@@ -6,6 +6,7 @@ import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from './id-from.js';
 import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { parseSize } from './size.js';
+import { isStreamUrl, parseStreamUrl } from './stream-url.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
 /**
@@ -47,6 +48,8 @@ export interface RawOptions extends TlsRawOptions {
   targetQueue?: string;
   targetExchange?: string;
   targetRoutingKey?: string;
+  targetStream?: string;
+  targetProducer?: string;
   redis?: string;
   redisPrefix?: string;
   redisWaitReplicas?: string;
@@ -102,12 +105,18 @@ export interface BridgeSettings {
   sourceQueue: string;
   /** The first of targetUrls. */
   targetUrl: string;
+  /** The nodes of the target cluster; for a stream target (rabbitmq-stream://), its one URL. */
   targetUrls: string[];
-  /** '' is the default exchange. */
+  /** '' is the default exchange (and the value for a stream target). */
   targetExchange: string;
   /** Set for --target-queue (the queue name) and --target-routing-key; else each message's own key. */
   targetRoutingKey: string | undefined;
   targetQueue: string | undefined;
+  /** The stream a rabbitmq-stream:// target writes to; undefined for a queue or exchange target. */
+  targetStream: string | undefined;
+  /** The stream producer's name (publisher reference, <= 255 bytes) if set with --target-producer; undefined: derived from the route. */
+  targetProducer: string | undefined;
+  /** The target URL's user (guest when it names none). */
   targetUser: string;
   redisUrl: string;
   redisPrefix: string;
@@ -155,6 +164,8 @@ const FLAG: Record<string, string> = {
   targetQueue: '--target-queue',
   targetExchange: '--target-exchange',
   targetRoutingKey: '--target-routing-key',
+  targetStream: '--target-stream (or DEDUP_BRIDGE_TARGET_STREAM)',
+  targetProducer: '--target-producer (or DEDUP_BRIDGE_TARGET_PRODUCER)',
   redis: '--redis (or DEDUP_BRIDGE_REDIS)',
   redisPrefix: '--redis-prefix',
   redisWaitReplicas: '--redis-wait-replicas (or DEDUP_BRIDGE_REDIS_WAIT_REPLICAS)',
@@ -229,24 +240,89 @@ export function decodable(...parts: string[]): boolean {
   }
 }
 
-export const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');
+const amqpUrl = urlWith(['amqp:', 'amqps:'], 'amqp://user:password@host:5672/vhost');
+
+/** The URLs of a comma-separated list, trimmed, empty items dropped. */
+function urlItems(value: string): string[] {
+  return value
+    .split(',')
+    .map((item) => item.trim())
+    .filter((item) => item.length > 0);
+}
+
 /** One URL, or several comma-separated (the nodes of a cluster, tried in turn). */
-const amqpUrlList = z
+const amqpUrlList = z.string().transform(urlItems).pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
+
+/** Why --source refuses a stream URL (a stream queue read over AMQP is refused at start, by type). */
+const STREAM_SOURCE =
+  'a stream source (rabbitmq-stream://) is not supported yet (issue 31); consume the queue over AMQP instead: give the broker as amqp:// or amqps://';
+
+/** The source: AMQP URLs only. */
+const sourceUrlList = z
   .string()
-  .transform((value) =>
-    value
-      .split(',')
-      .map((item) => item.trim())
-      .filter((item) => item.length > 0),
-  )
-  .pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
-/** The same check on the text as given (a job file's source or target), for urlOrReference. */
-export const amqpUrlsText = z.string().superRefine((value, ctx) => {
-  const parsed = amqpUrlList.safeParse(value);
-  if (!parsed.success) {
-    for (const issue of parsed.error.issues) ctx.addIssue({ code: 'custom', message: issue.message });
+  .refine((value) => !urlItems(value).some(isStreamUrl), { message: STREAM_SOURCE, abort: true })
+  .pipe(amqpUrlList);
+
+/**
+ * The target: AMQP URLs (a cluster's nodes), or one stream URL, rabbitmq-stream:// or
+ * rabbitmq-stream+tls:// (checked by parseStreamUrl; a list of them is not taken yet).
+ */
+const targetUrlList = z
+  .string()
+  .superRefine((value, ctx) => {
+    const items = urlItems(value);
+    if (!items.some(isStreamUrl)) {
+      const parsed = amqpUrlList.safeParse(value);
+      for (const issue of parsed.error?.issues ?? [])
+        ctx.addIssue({ code: 'custom', message: issue.message });
+      return;
+    }
+    if (items.length > 1) {
+      ctx.addIssue({
+        code: 'custom',
+        message: `a stream target is one rabbitmq-stream:// URL; a list of ${items.length} URLs is not supported for a stream (yet): give one node`,
+      });
+      return;
+    }
+    try {
+      parseStreamUrl(items[0] as string);
+    } catch (error) {
+      ctx.addIssue({ code: 'custom', message: (error as Error).message });
+    }
+  })
+  .transform(urlItems);
+
+/** A list's check on the text as given (a job file's source or target), for urlOrReference. */
+function checkedText(list: z.ZodType<unknown, string>) {
+  return z.string().superRefine((value, ctx) => {
+    const parsed = list.safeParse(value);
+    for (const issue of parsed.error?.issues ?? []) ctx.addIssue({ code: 'custom', message: issue.message });
+  });
+}
+export const sourceUrlsText = checkedText(sourceUrlList);
+export const targetUrlsText = checkedText(targetUrlList);
+
+/**
+ * A config file's broker URL: an AMQP URL, or a stream endpoint (rabbitmq-stream://), which only a
+ * route's target may use (resolveBridgeSettings says so of a source).
+ */
+export const brokerUrl = z.string().superRefine((value, ctx) => {
+  if (!isStreamUrl(value)) {
+    for (const issue of amqpUrl.safeParse(value).error?.issues ?? [])
+      ctx.addIssue({ code: 'custom', message: issue.message });
+    return;
+  }
+  try {
+    parseStreamUrl(value);
+  } catch (error) {
+    ctx.addIssue({ code: 'custom', message: (error as Error).message });
   }
 });
+
+/** Whether a checked target list is a stream target (one rabbitmq-stream:// URL). */
+function isStreamTarget(urls: readonly string[]): boolean {
+  return urls.length === 1 && isStreamUrl(urls[0] as string);
+}
 // One server, a Sentinel set or a Cluster: src/config/redis-url.ts reads all three forms.
 export const redisUrl = z.string().superRefine((value, ctx) => {
   try {
@@ -284,12 +360,15 @@ export const count = (min: number, max: number) =>
 
 const rawSchema = z
   .object({
-    source: amqpUrlList,
+    source: sourceUrlList,
     sourceQueue: name,
-    target: amqpUrlList,
+    target: targetUrlList,
     targetQueue: name.optional(),
     targetExchange: exchangeName.optional(),
     targetRoutingKey: z.string().optional(),
+    targetStream: name.optional(),
+    // The stream protocol takes a publisher reference of up to 256 bytes; 255 as for every name.
+    targetProducer: name.optional(),
     redis: redisUrl,
     redisPrefix: z
       .string()
@@ -308,6 +387,22 @@ const rawSchema = z
     }),
   })
   .superRefine((options, ctx) => {
+    if (isStreamTarget(options.target)) {
+      for (const [field, message] of streamTargetIssues(options)) {
+        ctx.addIssue({ code: 'custom', path: [field], message });
+      }
+      return;
+    }
+    for (const field of ['targetStream', 'targetProducer'] as const) {
+      if (options[field] !== undefined) {
+        ctx.addIssue({
+          code: 'custom',
+          path: [field],
+          message:
+            'goes with a stream target, --target rabbitmq-stream://… (or rabbitmq-stream+tls://); with an amqp:// target give --target-queue or --target-exchange',
+        });
+      }
+    }
     if (options.targetQueue === undefined && options.targetExchange === undefined) {
       ctx.addIssue({
         code: 'custom',
@@ -344,6 +439,31 @@ const rawSchema = z
       });
     }
   });
+
+/** What a stream target refuses: a queue, exchange or routing key beside it, or no stream named. */
+function streamTargetIssues(options: {
+  targetQueue?: string | undefined;
+  targetExchange?: string | undefined;
+  targetRoutingKey?: string | undefined;
+  targetStream?: string | undefined;
+}): [string, string][] {
+  const issues: [string, string][] = [];
+  for (const field of ['targetQueue', 'targetExchange', 'targetRoutingKey'] as const) {
+    if (options[field] !== undefined) {
+      issues.push([
+        field,
+        'does not go with a stream target (rabbitmq-stream://); --target-stream names the stream to write to',
+      ]);
+    }
+  }
+  if (options.targetStream === undefined) {
+    issues.push([
+      'targetStream',
+      'a stream target (rabbitmq-stream://) needs --target-stream <name>, the stream to write to',
+    ]);
+  }
+  return issues;
+}
 
 function userOf(url: string): string {
   const raw = new URL(url).username;
@@ -398,6 +518,8 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
     targetQueue: raw.targetQueue,
     targetExchange: raw.targetExchange,
     targetRoutingKey: raw.targetRoutingKey,
+    targetStream: raw.targetStream,
+    targetProducer: raw.targetProducer,
     redis: raw.redis ?? DEFAULTS.redis,
     redisPrefix: raw.redisPrefix ?? DEFAULTS.redisPrefix,
     redisWaitReplicas: raw.redisWaitReplicas ?? String(DEFAULTS.redisWaitReplicas),
@@ -411,10 +533,12 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
   });
   if (!parsed.success) throw firstIssue(parsed.error);
   const options = parsed.data;
+  const stream = isStreamTarget(options.target) ? options.targetStream : undefined;
 
   const targetExchange = options.targetExchange ?? '';
   const targetRoutingKey = options.targetQueue ?? options.targetRoutingKey;
   if (
+    stream === undefined &&
     targetExchange === '' &&
     targetRoutingKey === options.sourceQueue &&
     options.source.some((source) => options.target.some((target) => sameBroker(source, target)))
@@ -423,7 +547,11 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
   }
   const scope =
     options.scope ??
-    (options.targetQueue !== undefined ? `queue:${options.targetQueue}` : `exchange:${targetExchange}`);
+    (stream !== undefined
+      ? `stream:${stream}`
+      : options.targetQueue !== undefined
+        ? `queue:${options.targetQueue}`
+        : `exchange:${targetExchange}`);
   if (/[{}\s]/.test(scope)) {
     throw new ConfigError(
       `--scope: the target name "${scope}" has braces or spaces; give a --scope without them`,
@@ -433,9 +561,13 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
   if (leaseMs < 1000) throw new ConfigError('--lease: must be at least 1s');
   const dedupWindowMs = parseDuration(raw.dedupWindow ?? DEFAULTS.dedupWindow, '--dedup-window');
   if (dedupWindowMs <= leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
-  const targetUser = userOf(options.target[0] as string);
+  // A stream URL was read by parseStreamUrl already: its user, decoded, or guest.
+  const targetUser =
+    stream !== undefined
+      ? parseStreamUrl(options.target[0] as string).username || 'guest'
+      : userOf(options.target[0] as string);
   // The user must be the same on every node: it is stamped on each message as its user-id.
-  if (options.target.some((url) => userOf(url) !== targetUser)) {
+  if (stream === undefined && options.target.some((url) => userOf(url) !== targetUser)) {
     throw new ConfigError('--target (or DEDUP_BRIDGE_TARGET): all URLs of a cluster must use the same user');
   }
   const tls = resolveTlsSettings(raw, options);
@@ -459,6 +591,8 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
     targetExchange,
     targetRoutingKey,
     targetQueue: options.targetQueue,
+    targetStream: stream,
+    targetProducer: stream !== undefined ? options.targetProducer : undefined,
     targetUser,
     redisUrl: options.redis,
     redisPrefix: options.redisPrefix,

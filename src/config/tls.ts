@@ -43,12 +43,20 @@ type FileKind = (typeof FILE_KINDS)[number];
 const TLS_SCHEME: Record<TlsSide, string> = { source: 'amqps', target: 'amqps', redis: 'rediss' };
 const URL_FLAG: Record<TlsSide, string> = { source: '--source', target: '--target', redis: '--redis' };
 
+/** The schemes that connect over TLS: AMQP, the stream protocol, and Redis in its three forms. */
+const TLS_SCHEMES = new Set(['amqps', 'rabbitmq-stream+tls', 'rediss', 'rediss-sentinel', 'rediss-cluster']);
+
 function isTlsUrl(url: string): boolean {
   // The Sentinel and Cluster forms are not WHATWG URLs: read the scheme as text.
   const scheme = /^([a-z][a-z0-9+.-]*):\/\//i.exec(url)?.[1]?.toLowerCase();
-  return (
-    scheme === 'amqps' || scheme === 'rediss' || scheme === 'rediss-sentinel' || scheme === 'rediss-cluster'
-  );
+  return scheme !== undefined && TLS_SCHEMES.has(scheme);
+}
+
+/** The TLS form of a plain URL's scheme, for the message that asks for it. */
+function tlsSchemeFor(side: TlsSide, plain: string): string {
+  // redis-sentinel:// wants rediss-sentinel://, as redis:// wants rediss://.
+  if (side === 'redis') return plain.replace(/^redis(?=$|-)/, 'rediss');
+  return plain.toLowerCase() === 'rabbitmq-stream' ? 'rabbitmq-stream+tls' : TLS_SCHEME[side];
 }
 
 function flag(side: TlsSide, kind: FileKind): string {
@@ -126,8 +134,7 @@ export function checkTlsFiles(side: TlsSide, url: string, files: TlsFiles): TlsF
   if (first === undefined) return {};
   if (!isTlsUrl(url)) {
     const plain = url.split(':')[0] ?? '';
-    // redis-sentinel:// wants rediss-sentinel://, as redis:// wants rediss://.
-    const scheme = side === 'redis' ? plain.replace(/^redis(?=$|-)/, 'rediss') : TLS_SCHEME[side];
+    const scheme = tlsSchemeFor(side, plain);
     throw new ConfigError(
       `${flag(side, first)}: needs ${URL_FLAG[side]} to be ${scheme}://, not ${plain}://; use ${scheme}:// (with TLS options the bridge never connects plain)`,
     );
@@ -187,6 +194,14 @@ function connectOptions(side: TlsSide, url: string, files: TlsFiles | undefined)
 /** Socket options for amqplib: TLS options for amqps://, none for amqp://. */
 export function amqpTlsOptions(side: TlsSide, url: string, files: TlsFiles | undefined): ConnectionOptions {
   return isTlsUrl(url) ? connectOptions(side, url, files) : {};
+}
+
+/**
+ * tls.connect options for the stream client (StreamClient.connect's `tls`): our CA and client
+ * certificate, always verified, for a rabbitmq-stream+tls:// target; none for rabbitmq-stream://.
+ */
+export function streamTlsOptions(url: string, files: TlsFiles | undefined): ConnectionOptions {
+  return isTlsUrl(url) ? connectOptions('target', url, files) : {};
 }
 
 /** Options for ioredis: `tls` for rediss://, none for redis:// (ioredis would use TLS if given). */

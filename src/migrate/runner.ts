@@ -23,7 +23,7 @@ import {
   type JobReport,
   type QueueReport,
 } from './report.js';
-import { declareTargetQueues } from './topology.js';
+import { checkTargetStream, declareTargetQueues, declareTargetStream } from './topology.js';
 
 interface JobResult {
   report: JobReport;
@@ -84,7 +84,16 @@ export async function runMigration(
         ),
       stop,
     );
-    if (settings.declareTarget) {
+    // A stream target is one route (resolveMigrateSettings): its stream, over the stream protocol.
+    if (settings.declareTarget && first.targetStream !== undefined) {
+      await declareTargetStream(
+        first,
+        settings.sourceManagementUrl,
+        log,
+        settings.declareTargetForce,
+        settings.sourceManagementCa,
+      );
+    } else if (settings.declareTarget) {
       await declareTargetQueues(
         settings.routes,
         settings.sourceManagementUrl as string,
@@ -236,6 +245,10 @@ function bucketOf(rate: number): (count: number) => Promise<void> {
 async function checkTopology(routes: BridgeSettings[], log: Logger, stop?: AbortSignal): Promise<void> {
   const first = routes[0] as BridgeSettings;
   for (const side of ['source', 'target'] as const) {
+    if (side === 'target' && first.targetStream !== undefined) {
+      for (const route of routes) await checkTargetStream(route, log, stop);
+      continue;
+    }
     const url = side === 'source' ? first.sourceUrl : first.targetUrl;
     const connection = await connectAmqp(url, {
       side,

@@ -1,9 +1,14 @@
 import { connectAmqp } from '../amqp/connect.js';
 import { replyCodeOf } from '../amqp/errors.js';
 import { readQueueShape } from '../amqp/management.js';
+import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
+import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
-import { ConfigError, describe, FatalConnectError } from '../errors.js';
+import { streamTlsOptions } from '../config/tls.js';
+import { ConfigError, describe, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../log.js';
+import { StreamClient, StreamResponseError } from '../stream/client.js';
+import { missingStreamLine, streamExists } from '../stream/streams.js';
 
 /**
  * Queue arguments under which the target queue itself drops (or dead-letters) what the bridge
@@ -97,5 +102,139 @@ export async function declareTargetQueues(
     }
   } finally {
     await connection.close().catch(() => {});
+  }
+}
+
+/**
+ * A source stream queue's arguments as the stream protocol's Create takes them: its retention
+ * (x-max-length-bytes, x-max-age) and segment size. Other arguments have no stream-protocol form.
+ */
+const STREAM_ARGUMENTS: Readonly<Record<string, string>> = {
+  'x-max-length-bytes': 'max-length-bytes',
+  'x-max-age': 'max-age',
+  'x-stream-max-segment-size-bytes': 'stream-max-segment-size-bytes',
+};
+
+/** Where a route's target stream lives, for messages: the endpoint, password masked. */
+function streamWhere(route: BridgeSettings): string {
+  return `target stream endpoint at ${redactUrl(route.targetUrl)}`;
+}
+
+/**
+ * Connects to a route's stream endpoint for a check before anything moves, retrying a connection
+ * that fails for --retry-for (0: forever); a refusal by the broker (login, vhost) is fatal at once.
+ */
+async function connectTargetStream(
+  route: BridgeSettings,
+  log: Logger,
+  stop?: AbortSignal,
+): Promise<StreamClient> {
+  const where = streamWhere(route);
+  const started = Date.now();
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await StreamClient.connect({
+        url: route.targetUrl,
+        tls: streamTlsOptions(route.targetUrl, route.tls.target),
+        connectionName: `dedup-bridge ${route.route} (migrate checks)`,
+      });
+    } catch (error) {
+      if (error instanceof ConfigError) throw error;
+      if (error instanceof StreamResponseError) {
+        throw new FatalConnectError(
+          `--target (or DEDUP_BRIDGE_TARGET): the ${where} refused us: ${describe(error)}; check the user, password and virtual host`,
+        );
+      }
+      if (stop?.aborted) throw new StopRequested(`the ${where}`);
+      const waited = Date.now() - started;
+      if (route.retryForMs > 0 && waited >= route.retryForMs) {
+        throw new UnavailableError(
+          `the ${where} did not answer for ${Math.round(waited / 1000)}s (${describe(error)}); run again when it is back`,
+        );
+      }
+      log.warn(
+        { target: redactUrl(route.targetUrl), error: describe(error) },
+        'target stream endpoint not reachable; retrying',
+      );
+      await sleepUnlessStopped(backoffDelay(attempt, 200, 5000), stop);
+      if (stop?.aborted) throw new StopRequested(`the ${where}`);
+    }
+  }
+}
+
+/** A missing target stream is an error before anything moves: one line naming it. */
+export async function checkTargetStream(
+  route: BridgeSettings,
+  log: Logger,
+  stop?: AbortSignal,
+): Promise<void> {
+  const stream = route.targetStream as string;
+  const client = await connectTargetStream(route, log, stop);
+  try {
+    if (!(await streamExists(client, stream))) {
+      throw new FatalConnectError(missingStreamLine(stream, streamWhere(route)));
+    }
+  } finally {
+    await client.close().catch(() => {});
+  }
+}
+
+/**
+ * Creates a route's target stream when it is missing, over the stream protocol. With no arguments,
+ * unless the source queue (read through the management API, when given) is itself a stream: then
+ * with its retention and segment size, where retention, which discards messages, is refused as
+ * for a queue unless `force`. A stream that exists is left as it is.
+ */
+export async function declareTargetStream(
+  route: BridgeSettings,
+  managementUrl: string | undefined,
+  log: Logger,
+  force = false,
+  managementCa?: string,
+): Promise<void> {
+  const stream = route.targetStream as string;
+  const args: Record<string, string> = {};
+  if (managementUrl !== undefined) {
+    const shape = await readQueueShape(managementUrl, route.sourceUrl, route.sourceQueue, managementCa);
+    if (shape.type === 'stream') {
+      for (const [name, value] of Object.entries(shape.arguments)) {
+        const key = STREAM_ARGUMENTS[name];
+        if (key === undefined || value === undefined || value === null) continue;
+        if (Object.hasOwn(DISCARDING_ARGUMENTS, name) && !force) {
+          throw new ConfigError(
+            `--declare-target: source stream "${route.sourceQueue}" has ${name}=${JSON.stringify(value)}, under which target stream "${stream}" ${DISCARDING_ARGUMENTS[name]}; create the stream yourself, or give --declare-target-force to copy it anyway`,
+          );
+        }
+        args[key] = String(value);
+      }
+    }
+  }
+  const client = await connectTargetStream(route, log);
+  try {
+    if (await streamExists(client, stream)) {
+      log.info({ stream }, `target stream "${stream}" exists; left as it is`);
+      return;
+    }
+    try {
+      await client.create(stream, args);
+    } catch (error) {
+      if (!(error instanceof StreamResponseError)) throw error;
+      // Created meanwhile (another run): what was asked for is there.
+      if (error.codeName === 'STREAM_ALREADY_EXISTS') return;
+      if (error.codeName === 'ACCESS_REFUSED') {
+        throw new FatalConnectError(
+          `--declare-target: creating target stream "${stream}" refused on the ${streamWhere(route)}; grant the user configure permission on it, or create the stream beforehand`,
+        );
+      }
+      throw new FatalConnectError(
+        `--declare-target: creating target stream "${stream}" on the ${streamWhere(route)} failed: ${describe(error)}`,
+      );
+    }
+    log.info(
+      { stream, arguments: args },
+      `target stream "${stream}" declared with arguments ${JSON.stringify(args)}`,
+    );
+  } finally {
+    await client.close().catch(() => {});
   }
 }

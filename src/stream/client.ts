@@ -1,7 +1,7 @@
 import { EventEmitter } from 'node:events';
 import { connect as netConnect, type Socket } from 'node:net';
 import { type ConnectionOptions, connect as tlsConnect } from 'node:tls';
-import { parseStreamUrl, type StreamEndpoint } from './url.js';
+import { parseStreamUrl, type StreamEndpoint } from '../config/stream-url.js';
 
 /**
  * A minimal client of RabbitMQ's stream protocol (deps/rabbitmq_stream/docs/PROTOCOL.adoc), our

@@ -389,18 +389,27 @@ describe('the example in docs/configuration.md', () => {
     }
     process.env.OLD_MANAGEMENT_URL = 'http://monitor:secret@old-1:15672';
     process.env.DEDUP_REDIS_URL = 'redis://:secret@cache:6379';
+    process.env.EVENTS_STREAM_URL = 'rabbitmq-stream://bridge:secret@events:5552/prod';
     try {
       const text = (example as string).replaceAll('/run/secrets/', `${secrets}/`);
       const routes = loadConfigRoutes(configFile(text), {}, 'run');
       expect(routes.map((route) => [route.route, route.sourceUrls])).toEqual([
         ['orders', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
         ['audit', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
+        ['payments', ['amqp://bridge:secret@old-1:5672/prod', 'amqp://bridge:secret@old-2:5672/prod']],
       ]);
+      expect(routes[2]).toMatchObject({
+        targetUrls: ['rabbitmq-stream://bridge:secret@events:5552/prod'],
+        targetStream: 'payments',
+        targetProducer: 'payments-bridge',
+        scope: 'stream:payments',
+      });
       expect(routes[0]?.redisUrl).toBe('redis://:secret@cache:6379');
       expect(routes[0]?.sourceManagementUrl).toBe('http://monitor:secret@old-1:15672');
     } finally {
       delete process.env.OLD_MANAGEMENT_URL;
       delete process.env.DEDUP_REDIS_URL;
+      delete process.env.EVENTS_STREAM_URL;
       rmSync(secrets, { recursive: true, force: true });
     }
   });

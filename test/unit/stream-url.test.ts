@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
+import { parseStreamUrl, redactStreamUrl } from '../../src/config/stream-url.js';
 import { ConfigError } from '../../src/errors.js';
-import { parseStreamUrl, redactStreamUrl } from '../../src/stream/url.js';
 
 describe('stream URLs', () => {
   it('reads user, password, host, port and vhost', () => {

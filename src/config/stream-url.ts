@@ -82,3 +82,11 @@ export function parseStreamUrl(url: string): StreamEndpoint {
     tls,
   };
 }
+
+/**
+ * Whether a URL is meant for the stream protocol: its scheme, read as text, is rabbitmq-stream or
+ * rabbitmq-stream+<anything> (a misspelt +tls is then refused by parseStreamUrl, naming both forms).
+ */
+export function isStreamUrl(url: string): boolean {
+  return /^\s*rabbitmq-stream(\+[a-z0-9.-]*)?:/i.test(url);
+}
