@@ -26,6 +26,9 @@ const MESSAGES = 3_000;
 const KILLS = FULL ? 24 : 6;
 const CUTS = FULL ? 10 : 3;
 const REPLICA_KILLS = FULL ? 8 : 3;
+const STALLS = FULL ? 3 : 1;
+/** An owner stalls this long: three leases, so that the other replica takes its producer over. */
+const STALL_MS = 6_000;
 const PREFETCH = 200;
 const TRANSFER_TIMEOUT_MS = FULL ? 300_000 : 150_000;
 const TEST_TIMEOUT_MS = FULL ? 900_000 : 300_000;
@@ -391,6 +394,62 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
       'copies forwarded flagged in-doubt',
     ).toBe(0);
     expect(mostWriting, 'replicas writing to the stream at once').toBe(1);
+  });
+
+  it(`two run replicas, the producer's owner paused (SIGSTOP) past its lease ${STALLS} time(s), then let go on`, async () => {
+    const name = 'stream-stall';
+    const { sourceQueue, stream, ids } = await setUp(name);
+    const started = Date.now();
+    const watch = world.watch(stream);
+    const replicas: { bridge: RunningCli; proxy: FaultProxy }[] = [];
+    for (let i = 0; i < 2; i++) {
+      const proxy = await world.streamProxy();
+      replicas.push({ bridge: world.startBridge(sourceQueue, stream, { proxy, prefetch: PREFETCH }), proxy });
+    }
+    const landed: number[] = [];
+    const takeovers: string[] = [];
+    try {
+      for (const [k, point] of faultPoints(STALLS).entries()) {
+        expect(await watch.until(point, 90_000), `stall ${k + 1}: never reached ${point}`).toBe(true);
+        const { owner } = await writingReplica(replicas.map((r) => r.proxy));
+        expect(owner, `stall ${k + 1}: no one replica was writing to the stream`).toBeGreaterThanOrEqual(0);
+        const paused = replicas[owner] as { bridge: RunningCli; proxy: FaultProxy };
+        const other = replicas[1 - owner] as { bridge: RunningCli; proxy: FaultProxy };
+        landed.push(land(watch, `stall ${k + 1} (replica ${owner} paused)`));
+        const otherBefore = other.proxy.clientBytes;
+        const countBefore = watch.count;
+        paused.bridge.signal('SIGSTOP');
+        await sleep(STALL_MS);
+        // The other replica took the producer over while the owner was paused: it wrote, and the
+        // stream grew.
+        const otherWrote = other.proxy.clientBytes - otherBefore;
+        const grew = watch.count - countBefore;
+        const pausedBefore = paused.proxy.clientBytes;
+        paused.bridge.signal('SIGCONT');
+        await sleep(1000);
+        takeovers.push(
+          `stall ${k + 1}: the other replica wrote ${otherWrote} bytes and the stream grew by ${grew} during the pause; the paused one wrote ${paused.proxy.clientBytes - pausedBefore} bytes in the second after it`,
+        );
+        expect(grew, `stall ${k + 1}: the stream grew while the owner was paused`).toBeGreaterThan(0);
+      }
+      const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
+      expect(done, `the transfer did not finish: ${watch.count} on the stream`).toBe(true);
+    } finally {
+      for (const replica of replicas) {
+        replica.bridge.signal('SIGCONT');
+        replica.bridge.signal('SIGTERM');
+      }
+      await watch.stop();
+    }
+    const exits = await Promise.all(replicas.map((replica) => replica.bridge.done));
+    await Promise.all(replicas.map((replica) => replica.proxy.stop()));
+    process.stdout.write(`seen: ${name}: ${takeovers.join('; ')}\n`);
+    await finish(name, stream, ids, started, landed);
+    expect(
+      exits.map((exit) => exit.code),
+      exits.map((exit) => exit.stderr).join('\n'),
+    ).toEqual([0, 0]);
+    expectLanded(name, landed, STALLS);
   });
 });
 
