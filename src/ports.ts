@@ -56,6 +56,8 @@ export interface Publish {
    * target may match answers (a basic.return, say) and remember messages by it.
    */
   id: string;
+  /** Its claim key in the cache (an exact target records which claim each write belongs to). */
+  readonly key?: string | undefined;
   /**
    * performance.now() past which it must not be written (its lease is no longer known to hold):
    * checked at the write itself, after any wait for the connection, an alarm or a full buffer.
@@ -95,6 +97,14 @@ export interface Target {
   reset(reason: string): void;
   /** The target's size limit, once it refused a message for being larger (for stall advice). */
   readonly sizeLimit: number | undefined;
+  /**
+   * True for a target that answers every publish as stored or not, even after a failure (a
+   * stream with a named producer): no copy needs the in-doubt flag, and a claim an earlier owner
+   * left is a plain new one (the target settled that owner's writes when it took over).
+   */
+  readonly exact?: boolean;
+  /** Told of the claims committed after their publish was stored (an exact target's bookkeeping). */
+  committed?(keys: readonly string[]): void;
 }
 
 /**

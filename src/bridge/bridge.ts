@@ -1,3 +1,4 @@
+import { hash } from 'node:crypto';
 import { InFlightBytes } from '../amqp/in-flight-bytes.js';
 import { AmqpLink } from '../amqp/link.js';
 import { QueueTarget } from '../amqp/queue-target.js';
@@ -7,7 +8,9 @@ import { redactUrl } from '../config/redact.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { loopMessage } from '../config/settings.js';
+import { streamTlsOptions } from '../config/tls.js';
 import { DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
+import { ProducerStore } from '../dedup/producer.js';
 import {
   connectRedis,
   type RedisClient,
@@ -18,6 +21,7 @@ import {
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { TargetSide } from '../ports.js';
+import { StreamTarget } from '../stream/target.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
 
@@ -66,6 +70,43 @@ export function outageLine(outage: Outage): string {
   }
   const advice = outage.advice === undefined ? '' : `: ${outage.advice}`;
   return `${outage.what} ${outage.how} for ${seconds}s (${outage.reason}), past --retry-for${advice}; nothing unforwarded was acked`;
+}
+
+/**
+ * The route's stream producer is named after the route (source cluster, vhost and queue), the same
+ * for every replica and every run: its publishing IDs continue where the last owner's ended.
+ */
+function producerName(route: string): string {
+  const name = `dedup-bridge ${route}`;
+  return Buffer.byteLength(name) <= 255 ? name : `dedup-bridge ${hash('sha256', route, 'hex')}`;
+}
+
+function streamTarget(
+  settings: BridgeSettings,
+  route: string,
+  parts: { redis: RedisClient; cache: DedupCache; token: string; log: Logger; stop: AbortSignal | undefined },
+): StreamTarget {
+  const producer = settings.targetProducer ?? producerName(route);
+  const record = new ProducerStore(
+    parts.redis,
+    ProducerStore.baseOf(settings.redisPrefix, settings.scope, producer),
+    parts.token,
+    settings.leaseMs,
+  );
+  const tls = streamTlsOptions(settings.targetUrl, settings.tls.target);
+  return new StreamTarget(
+    {
+      url: settings.targetUrl,
+      stream: settings.targetStream as string,
+      producer,
+      tls,
+      leaseMs: settings.leaseMs,
+      stop: parts.stop,
+    },
+    record,
+    parts.cache,
+    parts.log,
+  );
 }
 
 /** A running route: its connections and its pipeline. */
@@ -122,18 +163,22 @@ export async function startBridge(
     new InFlightBytes(settings.maxInFlightBytes),
   );
   source.deliveryLimit = settings.sourceDeliveryLimit;
-  const target: TargetSide = new QueueTarget(
-    {
-      urls: settings.targetUrls,
-      exchange: settings.targetExchange,
-      routingKey: settings.targetRoutingKey,
-      queue: settings.targetQueue,
-      retryForMs: settings.retryForMs,
-      tls: settings.tls.target,
-      stop: limits.stop,
-    },
-    routeLog,
-  );
+  // A stream target is made once the source link is up: its producer is named after the route.
+  let target: TargetSide | undefined =
+    settings.targetStream === undefined
+      ? new QueueTarget(
+          {
+            urls: settings.targetUrls,
+            exchange: settings.targetExchange,
+            routingKey: settings.targetRoutingKey,
+            queue: settings.targetQueue,
+            retryForMs: settings.retryForMs,
+            tls: settings.tls.target,
+            stop: limits.stop,
+          },
+          routeLog,
+        )
+      : undefined;
   const sourceLink = new AmqpLink(
     settings.sourceUrls,
     {
@@ -153,12 +198,13 @@ export async function startBridge(
   // --redis-wait-replicas: commits go on a connection of their own (see DedupCacheOptions).
   let commitRedis: RedisClient | undefined;
   let cache: DedupCache;
+  let started: TargetSide;
   const closeAll = async () => {
     // Close the consuming channel first, held acks sent: its close-ok comes after the broker took
     // every ack on it. A connection closed at once could leave acks buffered on the channel behind
     // the close, and those messages would come back as duplicates to the next run.
     await Promise.race([source.closeConsumer(), sleep(CLOSE_CONSUMER_MS)]);
-    await Promise.allSettled([sourceLink.close(), target.close()]);
+    await Promise.allSettled([sourceLink.close(), target?.close()]);
     redis?.disconnect();
     commitRedis?.disconnect();
   };
@@ -180,8 +226,9 @@ export async function startBridge(
         limits.stop,
       );
     }
+    const token = newOwnerToken();
     const cacheOptions: DedupCacheOptions = {
-      token: newOwnerToken(),
+      token,
       leaseMs: settings.leaseMs,
       windowMs: settings.dedupWindowMs,
       prefix: settings.redisPrefix,
@@ -214,6 +261,13 @@ export async function startBridge(
     // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
     // (no more than --max-messages lets this run take).
     cache.expectedIds = Math.min((await source.depth()) ?? 0, budget.remaining);
+    target ??= streamTarget(settings, `${sourceLink.identity}/${settings.sourceQueue}`, {
+      redis,
+      cache,
+      token,
+      log: routeLog,
+      stop: limits.stop,
+    });
     await target.start();
     // The same cluster is the same broker, whichever of its nodes or URLs each side named.
     if (target.feeds(sourceLink.identity, settings.sourceQueue)) {
@@ -221,6 +275,7 @@ export async function startBridge(
         loopMessage(settings.sourceQueue, target.where.replace(/^target broker at /, '')),
       );
     }
+    started = target;
   } catch (error) {
     await closeAll();
     throw error;
@@ -250,7 +305,7 @@ export async function startBridge(
       afterConfirm: limits.afterConfirm,
     },
     source,
-    target,
+    started,
     cache,
     routeLog,
   );
@@ -264,7 +319,7 @@ export async function startBridge(
   });
   sourceLink.onFatal = reportFailure;
   source.onFatal = reportFailure;
-  target.onFatal = reportFailure;
+  started.onFatal = reportFailure;
   try {
     await pipeline.start((error) =>
       reportFailure(
@@ -299,7 +354,7 @@ export async function startBridge(
       const now = Date.now();
       const down: [Omit<Outage, 'ms'>, number | undefined][] = [
         [{ what: sourceLink.where, how: 'unreachable' }, sourceLink.downSince],
-        [{ what: target.where, how: 'unreachable' }, target.downSince],
+        [{ what: started.where, how: 'unreachable' }, started.downSince],
         [{ what: redisLabel, how: 'unreachable' }, redisDownSince],
         // Commits wait for replicas that are not there: an outage of what --redis-wait-replicas asks.
         [
@@ -317,11 +372,11 @@ export async function startBridge(
         down.push([{ what: redisLabel, reason: reply, ...redisRefusalOf(reply) }, failing.since]);
       }
       // A memory or disk alarm: nothing is published until the target broker clears it.
-      const blocked = target.blockedSince;
+      const blocked = started.blockedSince;
       if (blocked) {
         down.push([
           {
-            what: target.where,
+            what: started.where,
             how: 'blocked publishing',
             reason: `resource alarm: ${blocked.reason}`,
             advice:
@@ -338,10 +393,10 @@ export async function startBridge(
     },
     status: () => ({
       source: sourceLink.isUp,
-      target: target.isUp,
+      target: started.isUp,
       redis: connectedRedis.status === 'ready',
       ...source.consumption(),
-      targetBlocked: target.blockedSince !== undefined,
+      targetBlocked: started.blockedSince !== undefined,
     }),
     stop: (timeoutMs: number) => pipeline.stop(timeoutMs),
     close: closeAll,

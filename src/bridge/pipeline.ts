@@ -360,8 +360,14 @@ export class Pipeline {
     const busy: Entry[] = [];
     entries.forEach((entry, index) => {
       const claimed = states[index] as ClaimState;
-      // Our own claim seen again answers 'new'; a copy of ours may still be out there.
-      const state = claimed === 'new' && entry.doubt ? 'in-doubt' : claimed;
+      // Our own claim seen again answers 'new'; a copy of ours may still be out there. An exact
+      // target knows what earlier owners stored: for it, an in-doubt claim has no copy out.
+      const state =
+        claimed === 'new' && entry.doubt
+          ? 'in-doubt'
+          : claimed === 'in-doubt' && this.target.exact
+            ? 'new'
+            : claimed;
       entry.state = state;
       if (state === 'dup') {
         this.counters.duplicates++;
@@ -394,8 +400,10 @@ export class Pipeline {
     for (const entry of stored) entry.committing = true;
     this.settings.afterConfirm?.();
     const commitStarted = performance.now();
-    const results = await this.commits.submit(stored.map((entry) => entry.key as string));
+    const keys = stored.map((entry) => entry.key as string);
+    const results = await this.commits.submit(keys);
     this.onLatency('commit', secondsSince(commitStarted), stored.length);
+    this.target.committed?.(keys);
     stored.forEach((entry, index) => {
       this.leases.drop(entry);
       if (results[index] === 'taken') this.counters.claimTakenOver++;

@@ -547,6 +547,17 @@ export class DedupCache implements Claims {
     return codes.reduce((sum: number, code) => sum + (code as number), 0);
   }
 
+  /**
+   * Drops the claims of these IDs whoever holds them (committed IDs are left alone): an exact
+   * target found that no copy of them was stored, so the next claim is a plain 'new'.
+   */
+  async unclaim(keys: readonly string[]): Promise<number> {
+    const codes = await this.perShard(keys, (_, group) =>
+      this.scripts.release(group.length, ...group, '*', 'drop', this.options.windowMs),
+    );
+    return codes.reduce((sum: number, code) => sum + (code as number), 0);
+  }
+
   /** Extends our leases; returns how many were still ours (see renewEach). */
   async renew(keys: readonly string[]): Promise<number> {
     return (await this.renewEach(keys)).filter(Boolean).length;

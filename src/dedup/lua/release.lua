@@ -1,6 +1,7 @@
 -- release: give up claims that were not forwarded (nacked, unroutable, shutting down).
 -- KEYS[1..n]  the claim key of each ID, all in one hash slot: <base>:c:<id>
--- ARGV[1]     owner token of the calling process
+-- ARGV[1]     owner token of the calling process; '*' for a claim of any owner (a stream producer's
+--             new owner drops the claims of IDs it found were never stored, see StreamTarget)
 -- ARGV[2]     drop: delete the claim (nothing of it reached the target)
 --             doubt: keep the claim, expired and flagged in-doubt (an earlier copy may be on the
 --             target), so that the next claim by anyone answers in-doubt
@@ -14,7 +15,8 @@ local window = tonumber(ARGV[3])
 local reply = {}
 for i, key in ipairs(KEYS) do
   local value = redis.call('GET', key)
-  if value and string.match(value, '^c:([^:]*):') == token then
+  local owner = value and string.match(value, '^c:([^:]*):')
+  if owner and (owner == token or token == '*') then
     if mode == 'doubt' then
       local keep = math.max(redis.call('PTTL', key), window)
       redis.call('SET', key, 'c:' .. token .. ':0:1', 'PX', string.format('%d', keep))
