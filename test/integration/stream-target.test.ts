@@ -202,7 +202,7 @@ function corpus(tag: string): Sent[] {
     idOf('all'),
   );
   add(
-    'zero and empty properties',
+    'zero and empty properties (expiration aside)',
     {
       contentType: '',
       contentEncoding: '',
@@ -211,7 +211,8 @@ function corpus(tag: string): Sent[] {
       priority: 0,
       correlationId: '',
       replyTo: '',
-      expiration: '0',
+      // Not '0': the source queue would drop it (it expires unless a consumer takes it at once).
+      expiration: '1000000',
       messageId: '',
       timestamp: 0n,
       type: '',
@@ -497,9 +498,14 @@ describe('a RabbitMQ stream as target', () => {
     await publishFrames(sourceUrl, source, sent);
     const run = await migrateWithReport(streamArgs('migrate', source, stream, '--declare-target'));
     expect(run.code, run.stderr).toBe(0);
-    expect(run.report).toMatchObject({ forwarded: sent.length - 1, duplicates: 1, inDoubt: 0, remaining: 0 });
     const ids = sent.filter((m) => m.direct !== undefined).map((m) => m.id);
     await expectExactlyOnce('lossless migrate', stream, ids);
+    expect(run.report, JSON.stringify(run.report)).toMatchObject({
+      forwarded: sent.length - 1,
+      duplicates: 1,
+      inDoubt: 0,
+      remaining: 0,
+    });
     await expectAsDirect('lossless migrate', sent, stream, ids.length);
   });
 
