@@ -106,29 +106,6 @@ export class StreamWorld {
     return false;
   }
 
-  /**
-   * Messages the source broker has settled (acked) for good once the bridge consuming it is gone:
-   * waits until the queue has no consumer (its connection closed, every ack it sent processed),
-   * then counts what the queue holds, ready or unacked.
-   */
-  async ackedAfterExit(sourceQueue: string, sent: number): Promise<number> {
-    for (let i = 0; i < 100; i++) {
-      const consumers = await this.consumers(sourceQueue);
-      if (consumers === 0) break;
-      await sleep(100);
-    }
-    return sent - (await totalMessages(this.source, sourceQueue));
-  }
-
-  private async consumers(queue: string): Promise<number> {
-    const out = await this.source.ctl('list_queues', '-q', '--no-table-headers', 'name', 'consumers');
-    for (const line of out.split('\n')) {
-      const [name, count] = line.trim().split(/\s+/);
-      if (name === queue) return Number(count);
-    }
-    return 0;
-  }
-
   /** Reads the whole stream straight from the target node and counts it by ID. */
   async count(
     label: string,
