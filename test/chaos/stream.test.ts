@@ -477,7 +477,7 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
     for (let i = 0; i < 2; i++) await spawn();
     const landed: number[] = [];
     /** The owners paused and let go on, each with the moment it was let go on. */
-    const fenced: { replica: Replica; resumed: number; wrote: number }[] = [];
+    const fenced: { replica: Replica; resumed: number; wrote: number; exited: Promise<number> }[] = [];
     let exits: CliResult[] = [];
     let fencedExits: CliResult[] = [];
     try {
@@ -497,7 +497,12 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
         expect(grew, `stall ${k + 1}: the stream grew while its owner was paused`).toBeGreaterThan(0);
         const wroteBefore = paused.proxy.clientBytes;
         paused.bridge.signal('SIGCONT');
-        fenced.push({ replica: paused, resumed: Date.now(), wrote: wroteBefore });
+        fenced.push({
+          replica: paused,
+          resumed: Date.now(),
+          wrote: wroteBefore,
+          exited: paused.bridge.done.then(() => Date.now()),
+        });
         // A fresh replica in its place; the paused one, let go on, is to stop on its own.
         replicas.splice(owner, 1);
         await spawn();
@@ -516,12 +521,11 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
     }
     // Each paused owner, let go on, found the producer taken over and stopped (exit 1) so that
     // what it held went back to the source, writing nothing more to the stream.
-    for (const [k, { replica, resumed, wrote }] of fenced.entries()) {
+    for (const [k, { replica, resumed, wrote, exited }] of fenced.entries()) {
       const exit = fencedExits[k] as CliResult;
       const after = logLines(exit.stdout).filter((line) => line.time >= resumed);
-      const last = after.at(-1)?.time ?? resumed;
       process.stdout.write(
-        `seen: ${name}: stall ${k + 1}: the paused owner, let go on, wrote ${replica.proxy.clientBytes - wrote} bytes more and exited ${exit.code} (its last line ${last - resumed} ms after): ${after.map((line) => `+${line.time - resumed}ms ${line.msg}`).join(' | ')} | ${exit.stderr.trim()}\n`,
+        `seen: ${name}: stall ${k + 1}: the paused owner, let go on, wrote ${replica.proxy.clientBytes - wrote} bytes more and exited ${exit.code} ${(await exited) - resumed} ms after: ${after.map((line) => `+${line.time - resumed}ms ${line.msg}`).join(' | ')} | ${exit.stderr.trim()}\n`,
       );
       expect(exit.code, `stall ${k + 1}: the paused owner: ${exit.stderr}`).toBe(1);
       expect(exit.stderr).toMatch(/another bridge took over the stream producer/);
