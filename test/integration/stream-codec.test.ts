@@ -1,11 +1,10 @@
-import { rmSync } from 'node:fs';
 import amqp, { type ChannelModel, type ConfirmChannel, type ConsumeMessage } from 'amqplib';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { installLosslessReader, publishRaw, routingBytesOf } from '../../src/amqp/internals.js';
 import { encodeMessage, mappingFor, UnencodableError } from '../../src/stream/amqp10.js';
 import { type PublishedMessage, StreamClient } from '../../src/stream/client.js';
 import { BASIC_PROPERTIES, ContentHeader, contentHeaderOf } from '../../src/wire/properties.js';
-import { freePort, newRunDir, RabbitNode } from '../harness/servers.js';
+import { servers, uniqueName } from '../helpers.js';
 import {
   array,
   type BasicProperties,
@@ -38,9 +37,6 @@ import {
 // over 0-9-1 with x-stream-offset (the delivered content headers, routing and bodies must be the
 // same bytes).
 
-let runDir = '';
-let node: RabbitNode;
-let streamPort = 0;
 let amqpUrl = '';
 let stream: StreamClient;
 let model: ChannelModel;
@@ -324,26 +320,19 @@ async function read091(queue: string, count: number): Promise<Delivered[]> {
 }
 
 beforeAll(async () => {
-  runDir = newRunDir();
-  streamPort = await freePort();
-  node = new RabbitNode(runDir, 'codec', {
-    plugins: ['rabbitmq_stream'],
-    config: [`stream.listeners.tcp.1 = ${streamPort}`],
-  });
-  await node.start();
-  amqpUrl = node.url;
+  // The harness's target broker, which serves the stream protocol (or TARGET_STREAM_URL's).
+  const { targetUrl, targetStreamUrl } = servers();
+  amqpUrl = targetUrl;
   model = await amqp.connect(amqpUrl);
   model.on('error', () => {});
   installLosslessReader(model);
   channel = await model.createConfirmChannel();
-  stream = await StreamClient.connect({ url: `rabbitmq-stream://guest:guest@127.0.0.1:${streamPort}/` });
-}, 180_000);
+  stream = await StreamClient.connect({ url: targetStreamUrl });
+});
 
 afterAll(async () => {
   await stream?.close();
   await model?.close().catch(() => {});
-  await node?.stop();
-  if (runDir) rmSync(runDir, { recursive: true, force: true });
 });
 
 describe('the AMQP 1.0 codec against RabbitMQ', () => {
@@ -354,8 +343,8 @@ describe('the AMQP 1.0 codec against RabbitMQ', () => {
   });
 
   it('stores the same bytes, and delivers the same content headers, as a direct 0-9-1 publish', async () => {
-    const direct = 'codec-direct';
-    const encoded = 'codec-encoded';
+    const direct = uniqueName('codec-direct');
+    const encoded = uniqueName('codec-encoded');
     await declareStream(direct);
     await declareStream(encoded);
     await stream.declarePublisher(1, 'codec', encoded);
@@ -411,7 +400,7 @@ describe('the AMQP 1.0 codec against RabbitMQ', () => {
   });
 
   it('what RabbitMQ 3.10 cannot store from 0-9-1 is refused by the encoder', async () => {
-    const refused = 'codec-refused';
+    const refused = uniqueName('codec-refused');
     await declareStream(refused);
     const cases: [string, Buffer][] = [
       ['decimal', field('dec', decimal(2, 12345))],
