@@ -295,6 +295,10 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
     expect(stoppedCounters(exit.stdout)?.inDoubt ?? 0, 'copies forwarded flagged in-doubt').toBe(0);
   });
 
+  // The target node stopped gracefully (SIGTERM, as a restart or an upgrade stops it), in both runs;
+  // and in the full run also killed (SIGKILL). A single 3.10.8 node whose stream was killed has
+  // been seen to leave the stream STREAM_NOT_AVAILABLE for over a minute after its restart, which
+  // no client can help: so the short run, in npm test, restarts it gracefully only.
   for (const how of FULL ? (['stopped', 'killed'] as const) : (['stopped'] as const)) {
     it(`the target broker ${how} and restarted mid-transfer`, async () => {
       const name = `stream-target-${how}`;
