@@ -93,14 +93,27 @@ export class StreamWorld {
 
   /**
    * Waits until the source queue holds nothing (ready or unacked) and the stream holds at least
-   * `count` messages; false when the time is up.
+   * `count` messages; false when the time is up, or when the stream has not grown for `stuckMs`
+   * while messages are still to come (a transfer that stopped: no use waiting out the rest).
    */
-  async untilTransferred(sourceQueue: string, watch: StreamWatch, count: number, timeoutMs: number) {
+  async untilTransferred(
+    sourceQueue: string,
+    watch: StreamWatch,
+    count: number,
+    timeoutMs: number,
+    stuckMs = 60_000,
+  ) {
     const deadline = Date.now() + timeoutMs;
+    let seen = watch.count;
+    let movedAt = Date.now();
     while (Date.now() < deadline) {
       if (watch.count >= count && (await this.sourceProbe.depth(sourceQueue)) === 0) {
         if ((await totalMessages(this.source, sourceQueue)) === 0) return true;
       }
+      if (watch.count !== seen) {
+        seen = watch.count;
+        movedAt = Date.now();
+      } else if (watch.count < count && Date.now() - movedAt > stuckMs) return false;
       await sleep(200);
     }
     return false;

@@ -1,3 +1,6 @@
+import { writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { FaultProxy } from '../harness/proxy.js';
 import { type CliResult, type RunningCli, uniqueName, waitFor } from '../helpers.js';
@@ -63,6 +66,13 @@ interface Row {
 }
 
 const rows: Row[] = [];
+
+/** Writes a bridge's whole output to a file, for a failure message: where to read it. */
+function dump(name: string, output: string): string {
+  const path = join(tmpdir(), `${name}-${Date.now()}.log`);
+  writeFileSync(path, output);
+  return path;
+}
 
 function formatRows(): string {
   const head = [
@@ -321,7 +331,7 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
         const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
         expect(
           done,
-          `the transfer did not finish: ${watch.count} on the stream; ${bridge.output().slice(-3000)}`,
+          `the transfer did not finish: ${watch.count} on the stream; the bridge's output: ${dump(name, bridge.output())}`,
         ).toBe(true);
       } finally {
         world.proxy.setDelay(0);
@@ -352,6 +362,7 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
     const bridge = world.startBridge(sourceQueue, stream, { prefetch: PREFETCH });
     const landed: number[] = [];
     const cutTimes: number[] = [];
+    let done = false;
     try {
       for (const [k, point] of faultPoints(CUTS).entries()) {
         expect(
@@ -370,18 +381,17 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
         ).toBeGreaterThanOrEqual(before + bytes);
         landed.push(land(watch, `cut ${k + 1} (after ${bytes} more bytes)`));
       }
-      const done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
-      expect(
-        done,
-        `the transfer did not finish: ${watch.count} on the stream; ${bridge.output().slice(-3000)}`,
-      ).toBe(true);
+      done = await world.untilTransferred(sourceQueue, watch, MESSAGES, TRANSFER_TIMEOUT_MS);
     } finally {
       world.proxy.setDelay(0);
       bridge.signal('SIGTERM');
       await watch.stop();
     }
     const exit = await bridge.done;
+    // A transfer that stopped is counted too (what is missing, and whether anything was copied).
+    const output = done ? '' : dump(name, `${exit.stdout}\n${exit.stderr}`);
     await finish(name, stream, ids, started, landed, [exit.stdout]);
+    expect(done, `the transfer did not finish; the bridge's output: ${output}`).toBe(true);
     expect(exit.code, exit.stderr).toBe(0);
     expectLanded(name, landed, CUTS);
     // The bridge noticed each cut: its reconnect warning after it, before the next one.
