@@ -224,13 +224,22 @@ export class StreamTarget implements TargetSide {
     }
     const frameMax = this.client?.frameMax ?? 0;
     if (frameMax > 0 && data.length + FRAME_OVERHEAD > frameMax) {
-      this.sizeLimit = frameMax - FRAME_OVERHEAD;
-      publish.refusal = `${data.length} bytes as stored, over the stream connection's frame max of ${frameMax} bytes`;
-      answered('too-large');
+      this.refuseTooLarge(publish, data.length, frameMax, answered);
       return;
     }
     this.waiting.push({ publish, answered, data, id: 0n, written: false, sent: false });
     this.pump();
+  }
+
+  private refuseTooLarge(
+    publish: Publish,
+    size: number,
+    frameMax: number,
+    answered: (outcome: PublishOutcome) => void,
+  ): void {
+    this.sizeLimit = frameMax - FRAME_OVERHEAD;
+    publish.refusal = `${size} bytes as stored, over the stream connection's frame max of ${frameMax} bytes`;
+    answered('too-large');
   }
 
   /**
@@ -405,19 +414,25 @@ export class StreamTarget implements TargetSide {
    */
   private async writeReserved(): Promise<void> {
     const now = performance.now();
-    const late = this.reserved.filter((item) => !item.sent && item.publish.writeBy <= now);
-    if (late.length > 0) {
+    const frameMax = this.client?.frameMax ?? 0;
+    // Too large for this connection's frames (its size was not known when it was sent to us).
+    const tooLarge = (item: Item) => frameMax > 0 && item.data.length + FRAME_OVERHEAD > frameMax;
+    const dropped = this.reserved.filter(
+      (item) => !item.sent && (item.publish.writeBy <= now || tooLarge(item)),
+    );
+    if (dropped.length > 0) {
       try {
         await this.record.settle(
-          late.map((item) => [item.publish.key as string, item.id] as const),
+          dropped.map((item) => [item.publish.key as string, item.id] as const),
           0n,
         );
       } catch (error) {
         throw this.fencedOr(error);
       }
-      for (const item of late) {
+      for (const item of dropped) {
         this.remove(item);
-        item.answered('fenced');
+        if (tooLarge(item)) this.refuseTooLarge(item.publish, item.data.length, frameMax, item.answered);
+        else item.answered('fenced');
       }
       if (!this.canWrite) return;
     }

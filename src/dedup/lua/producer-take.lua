@@ -19,7 +19,12 @@ if held ~= '' then
   redis.call('SET', KEYS[1], token .. ':' .. held, 'PX', ARGV[2])
   return {1, held}
 end
-if owner then return {0, redis.call('PTTL', KEYS[1])} end
+if owner then
+  -- Ours already: this call is one ioredis sent again after a reconnect, and the first one ran.
+  local mine = token .. ':'
+  if string.sub(owner, 1, #mine) == mine then return {1, string.sub(owner, #mine + 1)} end
+  return {0, redis.call('PTTL', KEYS[1])}
+end
 local epoch = tostring(redis.call('INCR', KEYS[2]))
 redis.call('SET', KEYS[1], token .. ':' .. epoch, 'PX', ARGV[2])
 return {1, epoch}
