@@ -110,8 +110,18 @@ export class StreamResponseError extends StreamError {
 /** The broker refused our user name and password (or the mechanism). */
 export class StreamAuthenticationError extends StreamResponseError {}
 
-/** The connection is gone (closed by either side, cut, timed out); what was pending is lost. */
-class StreamConnectionClosedError extends StreamError {}
+/**
+ * The connection is gone (closed by either side, cut, timed out); what was pending is lost. `code`
+ * is the socket's error code when a socket error ended it (ECONNREFUSED, a TLS certificate's …).
+ */
+class StreamConnectionClosedError extends StreamError {
+  readonly code: string | undefined;
+  constructor(message: string, cause?: unknown) {
+    super(message, cause === undefined ? undefined : { cause });
+    const code = (cause as { code?: unknown } | undefined)?.code;
+    this.code = typeof code === 'string' ? code : undefined;
+  }
+}
 
 /** A request got no answer in time. */
 class StreamTimeoutError extends StreamError {}
@@ -489,7 +499,7 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
     try {
       await new Promise<void>((resolve, reject) => {
         const onError = (error: Error) =>
-          reject(new StreamConnectionClosedError(`stream connect to ${this.where}: ${error.message}`));
+          reject(new StreamConnectionClosedError(`stream connect to ${this.where}: ${error.message}`, error));
         this.socket = tls
           ? tlsConnect(
               { host, port, servername: isIp(host) ? undefined : host, ...this.options.tls },
@@ -497,13 +507,16 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
             )
           : netConnect({ host, port }, resolve);
         this.socket.once('error', onError);
-        this.socket.once('connect', () => this.socket.off('error', onError));
-        if (tls) this.socket.once('secureConnect', () => this.socket.off('error', onError));
+        // Over TLS, 'connect' is the TCP connection: the handshake (and its certificate errors)
+        // comes after it, so the error handler stays until 'secureConnect'.
+        this.socket.once(tls ? 'secureConnect' : 'connect', () => this.socket.off('error', onError));
       });
       this.socket.setNoDelay(true);
       this.socket.on('data', (data: Buffer) => this.onData(data));
       this.socket.on('error', (error) =>
-        this.fail(new StreamConnectionClosedError(`stream connection to ${this.where}: ${error.message}`)),
+        this.fail(
+          new StreamConnectionClosedError(`stream connection to ${this.where}: ${error.message}`, error),
+        ),
       );
       this.socket.on('close', () =>
         this.fail(new StreamConnectionClosedError(`stream connection to ${this.where} closed`)),

@@ -1,6 +1,7 @@
 import type { ConnectionOptions } from 'node:tls';
 import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactStreamUrl } from '../config/stream-url.js';
+import { tlsFailure } from '../config/tls.js';
 import {
   BridgeError,
   ConfigError,
@@ -532,6 +533,8 @@ export class StreamTarget implements TargetSide {
       );
     }
     if (error instanceof BridgeError) return error;
+    const tlsProblem = tlsFailure(error, 'target');
+    if (tlsProblem !== undefined) return new FatalConnectError(`${this.where}: ${tlsProblem}`);
     return new RuntimeFailure(`${this.where} unreachable: ${describe(error)}`);
   }
 
