@@ -54,6 +54,18 @@ describe('the docs match the code', () => {
   const cli = read('docs/cli.md');
   const options = cliOptions();
 
+  it('the README’s first block is the two commands: run it (the demo) and test it', () => {
+    const first = blocks(read('README.md'), 'sh')[0] ?? '';
+    const commands = first
+      .split('\n')
+      .map((line) => line.replace(/#.*/, '').trim())
+      .filter((line) => line.length > 0);
+    expect(commands).toEqual(['npm ci && npm run demo', 'npm test']);
+    const scripts = JSON.parse(read('package.json')).scripts as Record<string, string>;
+    expect(scripts.demo).toBeDefined();
+    expect(scripts.test).toBeDefined();
+  });
+
   it('the migration guide’s YAML examples parse, and the CronJob forbids overlapping runs', () => {
     const documents = blocks(guide, 'yaml').map((text) => parse(text));
     const cronJob = documents.find((doc) => doc?.kind === 'CronJob');
