@@ -101,6 +101,7 @@ function streamTarget(
       producer,
       tls,
       leaseMs: settings.leaseMs,
+      retryForMs: settings.retryForMs,
       stop: parts.stop,
     },
     record,

@@ -9,6 +9,7 @@ import {
   FatalConnectError,
   RuntimeFailure,
   StopRequested,
+  UnavailableError,
 } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { Publish, PublishOutcome, TargetSide } from '../ports.js';
@@ -54,6 +55,8 @@ export interface StreamTargetOptions {
   tls: ConnectionOptions | undefined;
   /** The producer's lease in Redis, as --lease: a stalled owner stops writing well within it. */
   leaseMs: number;
+  /** How long start waits for an endpoint that does not answer (--retry-for; 0: for ever). */
+  retryForMs: number;
   stop: AbortSignal | undefined;
 }
 
@@ -163,12 +166,7 @@ export class StreamTarget implements TargetSide {
    * owner left, and is ready to publish.
    */
   async start(): Promise<void> {
-    let client: StreamClient;
-    try {
-      client = await this.connect();
-    } catch (error) {
-      throw this.startError(error);
-    }
+    let client = await this.firstConnect();
     if (!(await streamExists(client, this.options.stream))) {
       await client.close();
       throw new FatalConnectError(
@@ -184,13 +182,42 @@ export class StreamTarget implements TargetSide {
       );
     }
     await this.waitForProducer(client);
-    if (!client.isOpen) client = await this.connect();
+    if (!client.isOpen) client = await this.firstConnect();
     await this.settleLedger(client);
     this.renewTimer = setInterval(
       () => void this.renew(),
       Math.max(100, Math.floor(this.options.leaseMs / 3)),
     );
-    await this.attach(client);
+    try {
+      await this.attach(client);
+    } catch (error) {
+      throw this.startError(error);
+    }
+  }
+
+  /**
+   * Connects at start, retrying an endpoint that does not answer for --retry-for (0: for ever) as
+   * a queue target does; a refusal (login, vhost, certificate) is the user's error at once.
+   */
+  private async firstConnect(): Promise<StreamClient> {
+    const started = Date.now();
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await this.connect();
+      } catch (error) {
+        const refused = this.startError(error);
+        if (refused instanceof BridgeError && !(refused instanceof RuntimeFailure)) throw refused;
+        const waited = Date.now() - started;
+        if (this.options.retryForMs > 0 && waited >= this.options.retryForMs) {
+          throw new UnavailableError(
+            `${this.where} did not answer for ${Math.round(waited / 1000)}s (${describe(error)}), past --retry-for; nothing was moved`,
+          );
+        }
+        this.log.warn({ attempt, error: describe(error) }, `${this.where} not reachable; retrying`);
+        await sleepUnlessStopped(backoffDelay(attempt, 200, 5000), this.options.stop);
+        if (this.options.stop?.aborted) throw new StopRequested(this.where);
+      }
+    }
   }
 
   async close(): Promise<void> {
@@ -525,6 +552,11 @@ export class StreamTarget implements TargetSide {
     if (error instanceof StreamAuthenticationError) {
       return new ConfigError(
         `${this.shown}: the broker refused the user name or password (${error.codeName})`,
+      );
+    }
+    if (error instanceof StreamResponseError && error.codeName === 'ACCESS_REFUSED') {
+      return new ConfigError(
+        `${this.where}: ${error.codeName}; grant the user write permission on the stream`,
       );
     }
     if (error instanceof StreamResponseError && error.codeName === 'VIRTUAL_HOST_ACCESS_FAILURE') {
