@@ -45,6 +45,22 @@ export interface LedgerOutcomes {
   unclaim(keys: readonly string[]): Promise<unknown>;
 }
 
+/** What the target uses of a stream connection (StreamClient; a fake in the unit tests). */
+export type StreamConnection = Pick<
+  StreamClient,
+  | 'on'
+  | 'metadata'
+  | 'declarePublisher'
+  | 'queryPublisherSequence'
+  | 'publish'
+  | 'drain'
+  | 'close'
+  | 'destroy'
+  | 'isOpen'
+  | 'frameMax'
+  | 'serverVersion'
+>;
+
 export interface StreamTargetOptions {
   /** rabbitmq-stream:// or rabbitmq-stream+tls:// */
   url: string;
@@ -57,6 +73,8 @@ export interface StreamTargetOptions {
   leaseMs: number;
   /** How long start waits for an endpoint that does not answer (--retry-for; 0: for ever). */
   retryForMs: number;
+  /** Opens a connection (default StreamClient.connect; the unit tests pass a fake). */
+  connect?: (options: StreamConnectOptions) => Promise<StreamConnection>;
   stop: AbortSignal | undefined;
 }
 
@@ -111,7 +129,7 @@ export class StreamTarget implements TargetSide {
   /** The target answers every publish as stored or not stored: the pipeline never flags a copy. */
   readonly exact = true;
 
-  private client: StreamClient | undefined;
+  private client: StreamConnection | undefined;
   private down: number | undefined = Date.now();
   private closed = false;
   /** Encoded, waiting for an ID. */
@@ -199,7 +217,7 @@ export class StreamTarget implements TargetSide {
    * Connects at start, retrying an endpoint that does not answer for --retry-for (0: for ever) as
    * a queue target does; a refusal (login, vhost, certificate) is the user's error at once.
    */
-  private async firstConnect(): Promise<StreamClient> {
+  private async firstConnect(): Promise<StreamConnection> {
     const started = Date.now();
     for (let attempt = 1; ; attempt++) {
       try {
@@ -286,7 +304,7 @@ export class StreamTarget implements TargetSide {
   // ---- the producer ----------------------------------------------------------------------------
 
   /** Takes the producer; while another bridge owns it, this one stands by. */
-  private async waitForProducer(client: StreamClient): Promise<void> {
+  private async waitForProducer(client: StreamConnection): Promise<void> {
     let standingBy = false;
     for (let attempt = 1; ; attempt++) {
       if (this.options.stop?.aborted) {
@@ -315,7 +333,7 @@ export class StreamTarget implements TargetSide {
   }
 
   /** Settles what earlier owners left, by the broker's last stored ID for our name. */
-  private async settleLedger(client: StreamClient): Promise<void> {
+  private async settleLedger(client: StreamConnection): Promise<void> {
     const ledger = await this.record.ledger();
     const last = await client.queryPublisherSequence(this.options.producer, this.options.stream);
     const landed: string[] = [];
@@ -464,7 +482,7 @@ export class StreamTarget implements TargetSide {
       }
       if (!this.canWrite) return;
     }
-    const client = this.client as StreamClient;
+    const client = this.client as StreamConnection;
     const batch = this.reserved.filter((item) => !item.written);
     for (const item of batch) {
       item.written = true;
@@ -544,8 +562,8 @@ export class StreamTarget implements TargetSide {
     };
   }
 
-  private connect(): Promise<StreamClient> {
-    return StreamClient.connect(this.connectOptions());
+  private connect(): Promise<StreamConnection> {
+    return (this.options.connect ?? StreamClient.connect)(this.connectOptions());
   }
 
   private startError(error: unknown): unknown {
@@ -571,7 +589,7 @@ export class StreamTarget implements TargetSide {
   }
 
   /** Takes a connection into use: declares the publisher, answers what was written before by the last stored ID. */
-  private async attach(client: StreamClient): Promise<void> {
+  private async attach(client: StreamConnection): Promise<void> {
     client.on('confirm', (publisherId, ids) => {
       if (publisherId === PUBLISHER_ID && client === this.client) this.onConfirm(ids);
     });
@@ -642,7 +660,7 @@ export class StreamTarget implements TargetSide {
       for (let attempt = 1; !this.closed; attempt++) {
         await sleepUnlessStopped(backoffDelay(attempt, 100, 5000), this.options.stop);
         if (this.closed || this.options.stop?.aborted) return;
-        let client: StreamClient | undefined;
+        let client: StreamConnection | undefined;
         try {
           client = await this.connect();
           await this.attach(client);
