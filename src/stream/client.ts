@@ -781,20 +781,27 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
    */
   async subscribe(subscriptionId: number, stream: string, offset: OffsetSpec, credit = 10): Promise<void> {
     checkByteId(subscriptionId, 'subscription ID');
-    await this.call(
-      'Subscribe',
-      (id) => {
-        const w = request(Command.Subscribe, id).u8(subscriptionId).string(stream);
-        if (offset === 'first') w.u16(1);
-        else if (offset === 'last') w.u16(2);
-        else if (offset === 'next') w.u16(3);
-        else if ('offset' in offset) w.u16(4).u64(offset.offset);
-        else w.u16(5).i64(offset.timestamp);
-        return w.u16(credit).i32(0);
-      },
-      ` ${subscriptionId} to "${stream}"`,
-    );
+    // Known before the answer: the first chunks can come in the same read as the answer, and a
+    // chunk of an unknown subscription gets no credit back (the subscription then starves).
     this.subscriptions.add(subscriptionId);
+    try {
+      await this.call(
+        'Subscribe',
+        (id) => {
+          const w = request(Command.Subscribe, id).u8(subscriptionId).string(stream);
+          if (offset === 'first') w.u16(1);
+          else if (offset === 'last') w.u16(2);
+          else if (offset === 'next') w.u16(3);
+          else if ('offset' in offset) w.u16(4).u64(offset.offset);
+          else w.u16(5).i64(offset.timestamp);
+          return w.u16(credit).i32(0);
+        },
+        ` ${subscriptionId} to "${stream}"`,
+      );
+    } catch (error) {
+      this.subscriptions.delete(subscriptionId);
+      throw error;
+    }
   }
 
   async unsubscribe(subscriptionId: number): Promise<void> {
