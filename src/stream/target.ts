@@ -143,6 +143,10 @@ export class StreamTarget implements TargetSide {
   /** The highest ID given out that we know of (a floor for the next, should Redis lose it). */
   private lastGiven = 0n;
   private pumping = false;
+  /** The last connection's frame max (0 before the first): messages are sized against it. */
+  private frameMax = 0;
+  /** Ledger entries of refused IDs being dropped: nothing more is reserved or written meanwhile. */
+  private voiding: Promise<void> | undefined;
   private leaseUntil = 0;
   private renewTimer: NodeJS.Timeout | undefined;
   private recovering: Promise<void> | undefined;
@@ -268,7 +272,7 @@ export class StreamTarget implements TargetSide {
       answered('unpublishable');
       return;
     }
-    const frameMax = this.client?.frameMax ?? 0;
+    const frameMax = this.frameMax;
     if (frameMax > 0 && data.length + FRAME_OVERHEAD > frameMax) {
       this.refuseTooLarge(publish, data.length, frameMax, answered);
       return;
@@ -414,6 +418,10 @@ export class StreamTarget implements TargetSide {
 
   private async pumpRounds(): Promise<void> {
     while (this.canWrite) {
+      if (this.voiding) {
+        await this.voiding;
+        continue;
+      }
       if (this.unwritten === 0) {
         if (this.waiting.length === 0) return;
         await this.reserveNext();
@@ -460,7 +468,7 @@ export class StreamTarget implements TargetSide {
    */
   private async writeReserved(): Promise<void> {
     const now = performance.now();
-    const frameMax = this.client?.frameMax ?? 0;
+    const frameMax = this.frameMax;
     // Too large for this connection's frames (its size was not known when it was sent to us).
     const tooLarge = (item: Item) => frameMax > 0 && item.data.length + FRAME_OVERHEAD > frameMax;
     const dropped = this.reserved.filter(
@@ -526,6 +534,7 @@ export class StreamTarget implements TargetSide {
    */
   private onPublishError(errors: readonly { publishingId: bigint; codeName: string }[]): void {
     const refused: Item[] = [];
+    const voids: (readonly [string, bigint])[] = [];
     for (const { publishingId, codeName } of errors) {
       const item = this.out.get(publishingId);
       if (FATAL_CODES.has(codeName)) {
@@ -538,6 +547,9 @@ export class StreamTarget implements TargetSide {
       }
       if (!item) continue;
       this.remove(item);
+      // Not stored, and a later ID may be: its ledger entry must not outlive this (a new owner
+      // would take it for stored).
+      voids.push([item.publish.key as string, item.id]);
       item.written = false;
       item.sent = false;
       item.id = 0n;
@@ -549,7 +561,37 @@ export class StreamTarget implements TargetSide {
       'stream publishes refused by the broker; sending them again under new IDs',
     );
     this.waiting.unshift(...refused);
+    this.dropFromLedger(voids);
     this.breakConnection(`${refused.length} publish(es) refused: ${errors[0]?.codeName}`);
+  }
+
+  /** Drops ledger entries at once, whatever the connection does; the pump waits for it. */
+  private dropFromLedger(entries: readonly (readonly [string, bigint])[]): void {
+    const previous = this.voiding ?? Promise.resolve();
+    const voiding: Promise<void> = previous.then(async () => {
+      for (let attempt = 1; !this.closed; attempt++) {
+        try {
+          await this.record.settle(entries, 0n);
+          return;
+        } catch (error) {
+          const fenced = this.fencedOr(error);
+          if (fenced instanceof BridgeError) {
+            this.fatal(fenced);
+            return;
+          }
+          this.log.warn(
+            { error: describe(error) },
+            'stream target: dropping refused IDs from the ledger failed; retrying',
+          );
+          await sleepUnlessStopped(backoffDelay(attempt, 100, 2000), this.options.stop);
+        }
+      }
+    });
+    this.voiding = voiding;
+    void voiding.finally(() => {
+      if (this.voiding === voiding) this.voiding = undefined;
+      this.pump();
+    });
   }
 
   // ---- the connection --------------------------------------------------------------------------
@@ -609,7 +651,15 @@ export class StreamTarget implements TargetSide {
       if (!this.closed) this.recover(`connection lost: ${error ? describe(error) : 'closed'}`);
     });
     await client.declarePublisher(PUBLISHER_ID, this.options.producer, this.options.stream);
+    // The last stored ID says what of ours is stored only while nobody else wrote under our name:
+    // the producer must still be ours, at our epoch, from before the query to after its answer.
+    const askedAt = performance.now();
+    const taken = await this.record.take();
+    if (!taken.ours) throw this.taken();
+    this.leaseUntil = askedAt + this.options.leaseMs;
     const last = await client.queryPublisherSequence(this.options.producer, this.options.stream);
+    if (!this.leaseHolds) throw new Error('the producer lease ran low while settling the connection');
+    this.frameMax = client.frameMax;
     this.settleWritten(last);
     if (this.closed) {
       await client.close();
@@ -668,6 +718,10 @@ export class StreamTarget implements TargetSide {
           return;
         } catch (error) {
           client?.destroy();
+          if (error instanceof ProducerTakenError) {
+            this.fatal(error);
+            return;
+          }
           if (error instanceof StreamResponseError && FATAL_CODES.has(error.codeName)) {
             this.fatal(new RuntimeFailure(`${this.where}: ${error.message}`));
             return;
@@ -677,16 +731,20 @@ export class StreamTarget implements TargetSide {
       }
     })().finally(() => {
       this.recovering = undefined;
+      // A break while this recovery was finishing (inside attach) found it still running.
+      if (!this.client && !this.closed) this.recover('connection lost as it was taken into use');
     });
   }
 
   private fencedOr(error: unknown): unknown {
-    if (error instanceof Error && error.name === 'ProducerFencedError') {
-      return new ProducerTakenError(
-        `another bridge took over the stream producer "${this.options.producer}" of ${this.where}; stopping, so that what it holds goes back to the source`,
-      );
-    }
+    if (error instanceof Error && error.name === 'ProducerFencedError') return this.taken();
     return error;
+  }
+
+  private taken(): ProducerTakenError {
+    return new ProducerTakenError(
+      `another bridge took over the stream producer "${this.options.producer}" of ${this.where}; stopping, so that what it holds goes back to the source`,
+    );
   }
 
   private fatal(error: BridgeError): void {
