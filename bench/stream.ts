@@ -15,8 +15,10 @@
 // Exits non-zero only when a round did not deliver every message exactly once.
 import { type ChildProcess, spawn } from 'node:child_process';
 import { readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { loadavg } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import amqp from 'amqplib';
+import { Redis } from 'ioredis';
 import { type Chunk, StreamClient } from '../src/stream/client.js';
 import { cleanLeftovers, freePort, newRunDir, RabbitNode, RedisServer } from '../test/harness/servers.js';
 
@@ -51,6 +53,8 @@ interface Round {
   rate: number;
   steady: number;
   cpu: CpuUse;
+  /** Redis script calls the mover sent per message (the bridge's claims, reservations, commits). */
+  redisCalls: number;
   /** Records on the stream, distinct IDs among them, IDs sent. */
   onStream: number;
   distinct: number;
@@ -82,7 +86,13 @@ async function main(): Promise<void> {
   await Promise.all([source.start(), target.start(), redis.start()]);
   const streamUrl = `rabbitmq-stream://guest:guest@127.0.0.1:${streamPort}/`;
   const counter = await StreamClient.connect({ url: streamUrl, connectionName: 'bench-stream counter' });
-  const bench: Bench = { source, target, redis, streamUrl, counter };
+  const stats = new Redis(redis.url);
+  const bench: Bench = { source, target, redis, streamUrl, counter, stats };
+  say(
+    `bench:stream: load average at the start ${loadavg()
+      .map((load) => load.toFixed(2))
+      .join(' ')}`,
+  );
   const rounds: Round[] = [];
   try {
     // One untimed round each first (a mover's first transfer, and the brokers' first streams).
@@ -101,9 +111,15 @@ async function main(): Promise<void> {
     }
   } finally {
     await counter.close();
+    await stats.quit();
     await Promise.allSettled([source.stop(), target.stop(), redis.stop()]);
     rmSync(runDir, { recursive: true, force: true });
   }
+  say(
+    `bench:stream: load average at the end ${loadavg()
+      .map((load) => load.toFixed(2))
+      .join(' ')}`,
+  );
   report(rounds);
   if (failures > 0) {
     say(`bench:stream: ${failures} round(s) did not deliver every message exactly once`);
@@ -136,6 +152,24 @@ function report(rounds: Round[]): void {
     );
     return { name, bridge, shovel, loop: amqplibLoop, bridgeOverShovel: bridge / shovel };
   });
+  // Each round's bridge against the Shovel of the same rotation (minutes apart at most): steadier
+  // than the ratio of the medians on a host whose speed drifts.
+  const pairs = of('dedup-bridge').map((bridge) => ({
+    bridge,
+    shovel: of('Shovel').find((round) => round.round === bridge.round) as Round,
+  }));
+  const perRound = {
+    whole: median(pairs.map(({ bridge, shovel }) => bridge.rate / shovel.rate)),
+    steady: median(pairs.map(({ bridge, shovel }) => bridge.steady / shovel.steady)),
+  };
+  say(
+    `bridge/Shovel round by round: whole ${pairs.map(({ bridge, shovel }) => (bridge.rate / shovel.rate).toFixed(2)).join(' · ')} (median ${perRound.whole.toFixed(2)}×); ` +
+      `steady ${pairs.map(({ bridge, shovel }) => (bridge.steady / shovel.steady).toFixed(2)).join(' · ')} (median ${perRound.steady.toFixed(2)}×)`,
+  );
+  const redisCalls = median(of('dedup-bridge').map((round) => round.redisCalls));
+  say(
+    `Redis script calls sent by the bridge per message: ${redisCalls.toFixed(3)} (median; claims, reservations, commits)`,
+  );
   say(
     '\nCPU ms per 1,000 messages, from the first arrival until the mover finished (medians; Shovel runs inside the source broker)',
   );
@@ -165,7 +199,7 @@ function report(rounds: Round[]): void {
   if (JSON_PATH) {
     writeFileSync(
       JSON_PATH,
-      `${JSON.stringify({ date: new Date().toISOString(), messages: MESSAGES, rounds: ROUNDS, table: rows, cpu, raw: rounds }, null, 2)}\n`,
+      `${JSON.stringify({ date: new Date().toISOString(), messages: MESSAGES, rounds: ROUNDS, table: rows, perRound, redisCalls, cpu, raw: rounds }, null, 2)}\n`,
     );
   }
 }
@@ -177,6 +211,8 @@ interface Bench {
   streamUrl: string;
   /** One stream-protocol connection for the whole run: each round's live subscriber. */
   counter: StreamClient;
+  /** For INFO commandstats, read before and after a round, outside its timing. */
+  stats: Redis;
 }
 
 /** One round: a new source queue and stream, preload, move, time the arrivals, verify. */
@@ -189,6 +225,7 @@ async function measure(bench: Bench, system: System, count: number, round: numbe
   const sent = await preload(source.url, name, count);
   // The subscriber is live before the mover starts, so it sees the first arrival as it lands.
   const arrivals = await watch(bench.counter, name);
+  const callsBefore = await scriptCalls(bench.stats);
   const mover = startMover(system, bench, name, count);
   const pids: Pids = {
     mover: typeof mover === 'string' ? undefined : mover.pid,
@@ -211,6 +248,7 @@ async function measure(bench: Bench, system: System, count: number, round: numbe
   const end = cpuSample(pids);
   await stopMover(mover, source);
   await arrivals.stop();
+  const redisCalls = ((await scriptCalls(bench.stats)) - callsBefore) / count;
   const left = await depth(source.url, name);
   if (left !== 0) {
     failures++;
@@ -234,11 +272,23 @@ async function measure(bench: Bench, system: System, count: number, round: numbe
     rate: count / (ms / 1000),
     steady: steadyMs > 0 && steadyMessages > 0 ? steadyMessages / (steadyMs / 1000) : count / (ms / 1000),
     cpu: per1000(timing.firstCpu, end, count),
+    redisCalls,
     onStream,
     distinct: seen.size,
     sent: sent.size,
     exact: wrong === 0,
   };
+}
+
+/** Script calls Redis has run so far (what a client sends as one call; INFO commandstats). */
+async function scriptCalls(redis: Redis): Promise<number> {
+  let calls = 0;
+  for (const match of (await redis.info('commandstats')).matchAll(
+    /^cmdstat_(?:evalsha|eval):calls=(\d+)/gm,
+  )) {
+    calls += Number(match[1]);
+  }
+  return calls;
 }
 
 async function declare(url: string, queue: string, args: Record<string, string>): Promise<void> {
