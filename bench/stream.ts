@@ -105,7 +105,8 @@ async function main(): Promise<void> {
         rounds.push(result);
         say(
           `  round ${round} · ${system}: ${Math.round(result.rate)} msg/s, steady ${Math.round(result.steady)} msg/s; ` +
-            `on the stream ${result.onStream}, distinct IDs ${result.distinct} of ${result.sent}${result.exact ? '' : ' — NOT exactly once'}`,
+            `on the stream ${result.onStream}, distinct IDs ${result.distinct} of ${result.sent}${result.exact ? '' : ' — NOT exactly once'}; ` +
+            `load ${loadavg()[0]?.toFixed(1)}`,
         );
       }
     }
