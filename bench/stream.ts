@@ -9,9 +9,10 @@
 // - Shovel: a dynamic shovel in the source node, dest-queue = the stream, over 0-9-1 (on-confirm);
 // - amqplib loop: bench/loop.ts, publishing into the stream over 0-9-1 with confirms (no dedup).
 // A round is timed from the first message to the last committed on the stream, as seen by one
-// live stream-protocol subscriber (chunk headers only, for every system alike; a 0-9-1 queue's
-// message count of a stream is refreshed every few seconds, so it cannot time a round). After the
-// mover has finished, the stream is read back over 0-9-1 and counted by ID, outside the timing.
+// live stream-protocol subscriber counting each chunk's records (the same for every system; a
+// 0-9-1 queue's message count of a stream is refreshed every few seconds, so it cannot time a
+// round). After the mover has finished, the stream is read back over 0-9-1 and counted by ID,
+// outside the timing.
 // Exits non-zero only when a round did not deliver every message exactly once.
 import { type ChildProcess, spawn } from 'node:child_process';
 import { readFileSync, rmSync, writeFileSync } from 'node:fs';
