@@ -15,9 +15,12 @@ function cliOptions(): Set<string> {
   const source = ['src/cli/options.ts', 'src/cli/cache.ts'].map(read).join('\n');
   const defined = [...source.matchAll(/'(--[a-z-]+)[ '<]/g)].map((match) => match[1] as string);
   // The benchmark's own options (npm run bench -- …) are documented in the same pages.
-  const bench = [...(read('bench/run.ts') + read('bench/redis-cost.ts')).matchAll(/'(--[a-z-]+)'/g)].map(
-    (match) => match[1] as string,
-  );
+  const bench = [
+    ...['bench/run.ts', 'bench/redis-cost.ts', 'bench/stream.ts']
+      .map(read)
+      .join('\n')
+      .matchAll(/'(--[a-z-]+)'/g),
+  ].map((match) => match[1] as string);
   return new Set([...defined, ...bench, '--help', '--version']);
 }
 
