@@ -12,7 +12,7 @@ import { sliceLengthFor } from '../src/dedup/cache.js';
 import { connectRedis } from '../src/dedup/redis.js';
 import { createLogger } from '../src/observe/log.js';
 import { contentHeaderOf } from '../src/wire/properties.js';
-import { array, field, longString } from './wire.js';
+import { field, longString } from './wire.js';
 
 export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
 
