@@ -732,7 +732,7 @@ async function latency(
 ) {
   const queue = await queues(source.url, target.url);
   const total = QUICK ? 3000 : 10_000;
-  // As many as a new bridge process takes to settle (docs/performance.md, A process starts cold).
+  // As many as a new bridge process takes to settle (bench/NOTES.md, A process starts cold).
   const warmup = QUICK ? 1000 : 20_000;
   let mover: ChildProcess | string;
   if (system === 'dedup-bridge') {

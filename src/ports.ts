@@ -99,8 +99,9 @@ export interface Target {
   readonly sizeLimit: number | undefined;
   /**
    * True for a target that answers every publish as stored or not, even after a failure (a
-   * stream with a named producer): no copy needs the in-doubt flag, and a claim an earlier owner
-   * left is a plain new one (the target settled that owner's writes when it took over).
+   * stream with a named producer): its own copies never need the in-doubt flag, and a claim an
+   * earlier owner of its producer left ('reclaimed') is a plain new one (the target settled that
+   * owner's writes when it took the producer over). Another route's left claim stays in doubt.
    */
   readonly exact?: boolean;
   /** Told of the claims committed after their publish was stored (an exact target's bookkeeping). */
@@ -110,9 +111,10 @@ export interface Target {
 /**
  * What the cache said about an ID at claim: 'new' (ours now), 'dup' (committed: on the target
  * already), 'busy' (another owner holds it), 'in-doubt' (ours now; an earlier owner's copy may be
- * on the target, so ours goes flagged).
+ * on the target, so ours goes flagged), 'reclaimed' (in doubt, left by an earlier owner of the
+ * same stream producer: an exact target settled that owner's writes, so for it this is 'new').
  */
-export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt';
+export type ClaimState = 'new' | 'dup' | 'busy' | 'in-doubt' | 'reclaimed';
 
 /**
  * What a commit found: our claim ('committed'), the ID committed already ('already'), another

@@ -5,13 +5,14 @@ import amqp, { type ChannelModel, type ConfirmChannel, type GetMessage, type Opt
 import { expect, inject } from 'vitest';
 import { connectAmqp, vhostOf } from '../src/amqp/connect.js';
 import { clusterNameOf } from '../src/amqp/internals.js';
+import { routeToken } from '../src/bridge/route-mark.js';
 import { parseDuration } from '../src/config/duration.js';
 import { DEFAULTS } from '../src/config/settings.js';
 import { sliceLengthFor } from '../src/dedup/cache.js';
 import { connectRedis } from '../src/dedup/redis.js';
 import { createLogger } from '../src/observe/log.js';
 import { contentHeaderOf } from '../src/wire/properties.js';
-import { array, field, longString } from './wire.js';
+import { field, longString } from './wire.js';
 
 export const CLI = fileURLToPath(new URL('../bin/dedup-bridge.js', import.meta.url));
 
@@ -446,5 +447,5 @@ export async function routeNameOf(sourceUrl: string, queue: string): Promise<str
 
 /** The `x-dedup-route` field a route from this source queue appends to a message that had none. */
 export async function routeMarkOf(sourceUrl: string, queue: string): Promise<Buffer> {
-  return field('x-dedup-route', array(longString(await routeNameOf(sourceUrl, queue))));
+  return field('x-dedup-route', longString(routeToken(await routeNameOf(sourceUrl, queue))));
 }

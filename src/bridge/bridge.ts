@@ -81,12 +81,20 @@ function producerName(route: string): string {
   return Buffer.byteLength(name) <= 255 ? name : `dedup-bridge ${hash('sha256', route, 'hex')}`;
 }
 
+/**
+ * The owner token of a stream route's claims: tagged with its producer, so that a claim an earlier
+ * owner of the same producer left is told from another route's (see claim.lua's 'reclaimed').
+ */
+function streamOwnerToken(producer: string): string {
+  const tag = hash('sha256', producer, 'base64url').slice(0, 8).replace(/[-_]/g, 'x');
+  return `${tag}.${newOwnerToken()}`;
+}
+
 function streamTarget(
   settings: BridgeSettings,
-  route: string,
+  producer: string,
   parts: { redis: RedisClient; cache: DedupCache; token: string; log: Logger; stop: AbortSignal | undefined },
 ): StreamTarget {
-  const producer = settings.targetProducer ?? producerName(route);
   const record = new ProducerStore(
     parts.redis,
     ProducerStore.baseOf(settings.redisPrefix, settings.scope, producer),
@@ -101,6 +109,7 @@ function streamTarget(
       producer,
       tls,
       leaseMs: settings.leaseMs,
+      retryForMs: settings.retryForMs,
       stop: parts.stop,
     },
     record,
@@ -226,7 +235,13 @@ export async function startBridge(
         limits.stop,
       );
     }
-    const token = newOwnerToken();
+    // A stream route's producer is named after the source (its cluster), and tags the claims.
+    let producer: string | undefined;
+    if (settings.targetStream !== undefined) {
+      await sourceLink.start();
+      producer = settings.targetProducer ?? producerName(`${sourceLink.identity}/${settings.sourceQueue}`);
+    }
+    const token = producer === undefined ? newOwnerToken() : streamOwnerToken(producer);
     const cacheOptions: DedupCacheOptions = {
       token,
       leaseMs: settings.leaseMs,
@@ -257,11 +272,11 @@ export async function startBridge(
       () => DedupCache.open(openedRedis, cacheOptions),
       limits.stop,
     );
-    await sourceLink.start();
+    if (producer === undefined) await sourceLink.start();
     // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
     // (no more than --max-messages lets this run take).
     cache.expectedIds = Math.min((await source.depth()) ?? 0, budget.remaining);
-    target ??= streamTarget(settings, `${sourceLink.identity}/${settings.sourceQueue}`, {
+    target ??= streamTarget(settings, producer as string, {
       redis,
       cache,
       token,

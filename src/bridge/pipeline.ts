@@ -361,12 +361,14 @@ export class Pipeline {
     entries.forEach((entry, index) => {
       const claimed = states[index] as ClaimState;
       // Our own claim seen again answers 'new'; a copy of ours may still be out there. An exact
-      // target knows what earlier owners stored: for it, an in-doubt claim has no copy out.
+      // target settled what earlier owners of its producer wrote: their left claims have no copy out.
       const state =
         claimed === 'new' && entry.doubt
           ? 'in-doubt'
-          : claimed === 'in-doubt' && this.target.exact
-            ? 'new'
+          : claimed === 'reclaimed'
+            ? this.target.exact
+              ? 'new'
+              : 'in-doubt'
             : claimed;
       entry.state = state;
       if (state === 'dup') {

@@ -7,7 +7,7 @@ import { ConfigError } from '../errors.js';
 import type { ClaimState, Claims, CommitResult } from '../ports.js';
 import { asMissingGrant, type RedisClient } from './redis.js';
 
-const CLAIM_STATES: readonly ClaimState[] = ['new', 'dup', 'busy', 'in-doubt'];
+const CLAIM_STATES: readonly ClaimState[] = ['new', 'dup', 'busy', 'in-doubt', 'reclaimed'];
 const COMMIT_RESULTS: readonly CommitResult[] = ['committed', 'committed', 'already', 'taken', 'restored'];
 
 // Scripts that read or write committed IDs get the shared committed.lua functions in front.

@@ -4,7 +4,7 @@ import { readQueueShape } from '../amqp/management.js';
 import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
-import { streamTlsOptions } from '../config/tls.js';
+import { streamTlsOptions, tlsFailure } from '../config/tls.js';
 import { ConfigError, describe, FatalConnectError, StopRequested, UnavailableError } from '../errors.js';
 import type { Logger } from '../log.js';
 import { StreamClient, StreamResponseError } from '../stream/client.js';
@@ -140,6 +140,8 @@ async function connectTargetStream(
       });
     } catch (error) {
       if (error instanceof ConfigError) throw error;
+      const tlsProblem = tlsFailure(error, 'target');
+      if (tlsProblem !== undefined) throw new FatalConnectError(`the ${where}: ${tlsProblem}`);
       if (error instanceof StreamResponseError) {
         throw new FatalConnectError(
           `--target (or DEDUP_BRIDGE_TARGET): the ${where} refused us: ${describe(error)}; check the user, password and virtual host`,

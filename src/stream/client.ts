@@ -110,8 +110,18 @@ export class StreamResponseError extends StreamError {
 /** The broker refused our user name and password (or the mechanism). */
 export class StreamAuthenticationError extends StreamResponseError {}
 
-/** The connection is gone (closed by either side, cut, timed out); what was pending is lost. */
-class StreamConnectionClosedError extends StreamError {}
+/**
+ * The connection is gone (closed by either side, cut, timed out); what was pending is lost. `code`
+ * is the socket's error code when a socket error ended it (ECONNREFUSED, a TLS certificate's …).
+ */
+class StreamConnectionClosedError extends StreamError {
+  readonly code: string | undefined;
+  constructor(message: string, cause?: unknown) {
+    super(message, cause === undefined ? undefined : { cause });
+    const code = (cause as { code?: unknown } | undefined)?.code;
+    this.code = typeof code === 'string' ? code : undefined;
+  }
+}
 
 /** A request got no answer in time. */
 class StreamTimeoutError extends StreamError {}
@@ -489,7 +499,7 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
     try {
       await new Promise<void>((resolve, reject) => {
         const onError = (error: Error) =>
-          reject(new StreamConnectionClosedError(`stream connect to ${this.where}: ${error.message}`));
+          reject(new StreamConnectionClosedError(`stream connect to ${this.where}: ${error.message}`, error));
         this.socket = tls
           ? tlsConnect(
               { host, port, servername: isIp(host) ? undefined : host, ...this.options.tls },
@@ -497,13 +507,16 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
             )
           : netConnect({ host, port }, resolve);
         this.socket.once('error', onError);
-        this.socket.once('connect', () => this.socket.off('error', onError));
-        if (tls) this.socket.once('secureConnect', () => this.socket.off('error', onError));
+        // Over TLS, 'connect' is the TCP connection: the handshake (and its certificate errors)
+        // comes after it, so the error handler stays until 'secureConnect'.
+        this.socket.once(tls ? 'secureConnect' : 'connect', () => this.socket.off('error', onError));
       });
       this.socket.setNoDelay(true);
       this.socket.on('data', (data: Buffer) => this.onData(data));
       this.socket.on('error', (error) =>
-        this.fail(new StreamConnectionClosedError(`stream connection to ${this.where}: ${error.message}`)),
+        this.fail(
+          new StreamConnectionClosedError(`stream connection to ${this.where}: ${error.message}`, error),
+        ),
       );
       this.socket.on('close', () =>
         this.fail(new StreamConnectionClosedError(`stream connection to ${this.where} closed`)),
@@ -768,20 +781,27 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
    */
   async subscribe(subscriptionId: number, stream: string, offset: OffsetSpec, credit = 10): Promise<void> {
     checkByteId(subscriptionId, 'subscription ID');
-    await this.call(
-      'Subscribe',
-      (id) => {
-        const w = request(Command.Subscribe, id).u8(subscriptionId).string(stream);
-        if (offset === 'first') w.u16(1);
-        else if (offset === 'last') w.u16(2);
-        else if (offset === 'next') w.u16(3);
-        else if ('offset' in offset) w.u16(4).u64(offset.offset);
-        else w.u16(5).i64(offset.timestamp);
-        return w.u16(credit).i32(0);
-      },
-      ` ${subscriptionId} to "${stream}"`,
-    );
+    // Known before the answer: the first chunks can come in the same read as the answer, and a
+    // chunk of an unknown subscription gets no credit back (the subscription then starves).
     this.subscriptions.add(subscriptionId);
+    try {
+      await this.call(
+        'Subscribe',
+        (id) => {
+          const w = request(Command.Subscribe, id).u8(subscriptionId).string(stream);
+          if (offset === 'first') w.u16(1);
+          else if (offset === 'last') w.u16(2);
+          else if (offset === 'next') w.u16(3);
+          else if ('offset' in offset) w.u16(4).u64(offset.offset);
+          else w.u16(5).i64(offset.timestamp);
+          return w.u16(credit).i32(0);
+        },
+        ` ${subscriptionId} to "${stream}"`,
+      );
+    } catch (error) {
+      this.subscriptions.delete(subscriptionId);
+      throw error;
+    }
   }
 
   async unsubscribe(subscriptionId: number): Promise<void> {

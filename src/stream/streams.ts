@@ -4,7 +4,7 @@ import type { StreamClient } from './client.js';
 // before anything moves and the stream target's start, so that both say the same.
 
 /** Whether `stream` exists on the broker (its metadata answers anything but STREAM_DOES_NOT_EXIST). */
-export async function streamExists(client: StreamClient, stream: string): Promise<boolean> {
+export async function streamExists(client: Pick<StreamClient, 'metadata'>, stream: string): Promise<boolean> {
   const [found] = await client.metadata([stream]);
   return found?.codeName !== 'STREAM_DOES_NOT_EXIST';
 }

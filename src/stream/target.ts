@@ -1,6 +1,7 @@
 import type { ConnectionOptions } from 'node:tls';
 import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactStreamUrl } from '../config/stream-url.js';
+import { tlsFailure } from '../config/tls.js';
 import {
   BridgeError,
   ConfigError,
@@ -8,6 +9,7 @@ import {
   FatalConnectError,
   RuntimeFailure,
   StopRequested,
+  UnavailableError,
 } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { Publish, PublishOutcome, TargetSide } from '../ports.js';
@@ -43,6 +45,22 @@ export interface LedgerOutcomes {
   unclaim(keys: readonly string[]): Promise<unknown>;
 }
 
+/** What the target uses of a stream connection (StreamClient; a fake in the unit tests). */
+export type StreamConnection = Pick<
+  StreamClient,
+  | 'on'
+  | 'metadata'
+  | 'declarePublisher'
+  | 'queryPublisherSequence'
+  | 'publish'
+  | 'drain'
+  | 'close'
+  | 'destroy'
+  | 'isOpen'
+  | 'frameMax'
+  | 'serverVersion'
+>;
+
 export interface StreamTargetOptions {
   /** rabbitmq-stream:// or rabbitmq-stream+tls:// */
   url: string;
@@ -53,6 +71,10 @@ export interface StreamTargetOptions {
   tls: ConnectionOptions | undefined;
   /** The producer's lease in Redis, as --lease: a stalled owner stops writing well within it. */
   leaseMs: number;
+  /** How long start waits for an endpoint that does not answer (--retry-for; 0: for ever). */
+  retryForMs: number;
+  /** Opens a connection (default StreamClient.connect; the unit tests pass a fake). */
+  connect?: (options: StreamConnectOptions) => Promise<StreamConnection>;
   stop: AbortSignal | undefined;
 }
 
@@ -107,7 +129,7 @@ export class StreamTarget implements TargetSide {
   /** The target answers every publish as stored or not stored: the pipeline never flags a copy. */
   readonly exact = true;
 
-  private client: StreamClient | undefined;
+  private client: StreamConnection | undefined;
   private down: number | undefined = Date.now();
   private closed = false;
   /** Encoded, waiting for an ID. */
@@ -121,6 +143,10 @@ export class StreamTarget implements TargetSide {
   /** The highest ID given out that we know of (a floor for the next, should Redis lose it). */
   private lastGiven = 0n;
   private pumping = false;
+  /** The last connection's frame max (0 before the first): messages are sized against it. */
+  private frameMax = 0;
+  /** Ledger entries of refused IDs being dropped: nothing more is reserved or written meanwhile. */
+  private voiding: Promise<void> | undefined;
   private leaseUntil = 0;
   private renewTimer: NodeJS.Timeout | undefined;
   private recovering: Promise<void> | undefined;
@@ -162,12 +188,7 @@ export class StreamTarget implements TargetSide {
    * owner left, and is ready to publish.
    */
   async start(): Promise<void> {
-    let client: StreamClient;
-    try {
-      client = await this.connect();
-    } catch (error) {
-      throw this.startError(error);
-    }
+    let client = await this.firstConnect();
     if (!(await streamExists(client, this.options.stream))) {
       await client.close();
       throw new FatalConnectError(
@@ -183,13 +204,42 @@ export class StreamTarget implements TargetSide {
       );
     }
     await this.waitForProducer(client);
-    if (!client.isOpen) client = await this.connect();
+    if (!client.isOpen) client = await this.firstConnect();
     await this.settleLedger(client);
     this.renewTimer = setInterval(
       () => void this.renew(),
       Math.max(100, Math.floor(this.options.leaseMs / 3)),
     );
-    await this.attach(client);
+    try {
+      await this.attach(client);
+    } catch (error) {
+      throw this.startError(error);
+    }
+  }
+
+  /**
+   * Connects at start, retrying an endpoint that does not answer for --retry-for (0: for ever) as
+   * a queue target does; a refusal (login, vhost, certificate) is the user's error at once.
+   */
+  private async firstConnect(): Promise<StreamConnection> {
+    const started = Date.now();
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await this.connect();
+      } catch (error) {
+        const refused = this.startError(error);
+        if (refused instanceof BridgeError && !(refused instanceof RuntimeFailure)) throw refused;
+        const waited = Date.now() - started;
+        if (this.options.retryForMs > 0 && waited >= this.options.retryForMs) {
+          throw new UnavailableError(
+            `${this.where} did not answer for ${Math.round(waited / 1000)}s (${describe(error)}), past --retry-for; nothing was moved`,
+          );
+        }
+        this.log.warn({ attempt, error: describe(error) }, `${this.where} not reachable; retrying`);
+        await sleepUnlessStopped(backoffDelay(attempt, 200, 5000), this.options.stop);
+        if (this.options.stop?.aborted) throw new StopRequested(this.where);
+      }
+    }
   }
 
   async close(): Promise<void> {
@@ -222,15 +272,24 @@ export class StreamTarget implements TargetSide {
       answered('unpublishable');
       return;
     }
-    const frameMax = this.client?.frameMax ?? 0;
+    const frameMax = this.frameMax;
     if (frameMax > 0 && data.length + FRAME_OVERHEAD > frameMax) {
-      this.sizeLimit = frameMax - FRAME_OVERHEAD;
-      publish.refusal = `${data.length} bytes as stored, over the stream connection's frame max of ${frameMax} bytes`;
-      answered('too-large');
+      this.refuseTooLarge(publish, data.length, frameMax, answered);
       return;
     }
     this.waiting.push({ publish, answered, data, id: 0n, written: false, sent: false });
     this.pump();
+  }
+
+  private refuseTooLarge(
+    publish: Publish,
+    size: number,
+    frameMax: number,
+    answered: (outcome: PublishOutcome) => void,
+  ): void {
+    this.sizeLimit = frameMax - FRAME_OVERHEAD;
+    publish.refusal = `${size} bytes as stored, over the stream connection's frame max of ${frameMax} bytes`;
+    answered('too-large');
   }
 
   /**
@@ -249,7 +308,7 @@ export class StreamTarget implements TargetSide {
   // ---- the producer ----------------------------------------------------------------------------
 
   /** Takes the producer; while another bridge owns it, this one stands by. */
-  private async waitForProducer(client: StreamClient): Promise<void> {
+  private async waitForProducer(client: StreamConnection): Promise<void> {
     let standingBy = false;
     for (let attempt = 1; ; attempt++) {
       if (this.options.stop?.aborted) {
@@ -278,7 +337,7 @@ export class StreamTarget implements TargetSide {
   }
 
   /** Settles what earlier owners left, by the broker's last stored ID for our name. */
-  private async settleLedger(client: StreamClient): Promise<void> {
+  private async settleLedger(client: StreamConnection): Promise<void> {
     const ledger = await this.record.ledger();
     const last = await client.queryPublisherSequence(this.options.producer, this.options.stream);
     const landed: string[] = [];
@@ -359,6 +418,10 @@ export class StreamTarget implements TargetSide {
 
   private async pumpRounds(): Promise<void> {
     while (this.canWrite) {
+      if (this.voiding) {
+        await this.voiding;
+        continue;
+      }
       if (this.unwritten === 0) {
         if (this.waiting.length === 0) return;
         await this.reserveNext();
@@ -405,23 +468,29 @@ export class StreamTarget implements TargetSide {
    */
   private async writeReserved(): Promise<void> {
     const now = performance.now();
-    const late = this.reserved.filter((item) => !item.sent && item.publish.writeBy <= now);
-    if (late.length > 0) {
+    const frameMax = this.frameMax;
+    // Too large for this connection's frames (its size was not known when it was sent to us).
+    const tooLarge = (item: Item) => frameMax > 0 && item.data.length + FRAME_OVERHEAD > frameMax;
+    const dropped = this.reserved.filter(
+      (item) => !item.sent && (item.publish.writeBy <= now || tooLarge(item)),
+    );
+    if (dropped.length > 0) {
       try {
         await this.record.settle(
-          late.map((item) => [item.publish.key as string, item.id] as const),
+          dropped.map((item) => [item.publish.key as string, item.id] as const),
           0n,
         );
       } catch (error) {
         throw this.fencedOr(error);
       }
-      for (const item of late) {
+      for (const item of dropped) {
         this.remove(item);
-        item.answered('fenced');
+        if (tooLarge(item)) this.refuseTooLarge(item.publish, item.data.length, frameMax, item.answered);
+        else item.answered('fenced');
       }
       if (!this.canWrite) return;
     }
-    const client = this.client as StreamClient;
+    const client = this.client as StreamConnection;
     const batch = this.reserved.filter((item) => !item.written);
     for (const item of batch) {
       item.written = true;
@@ -465,6 +534,7 @@ export class StreamTarget implements TargetSide {
    */
   private onPublishError(errors: readonly { publishingId: bigint; codeName: string }[]): void {
     const refused: Item[] = [];
+    const voids: (readonly [string, bigint])[] = [];
     for (const { publishingId, codeName } of errors) {
       const item = this.out.get(publishingId);
       if (FATAL_CODES.has(codeName)) {
@@ -477,6 +547,9 @@ export class StreamTarget implements TargetSide {
       }
       if (!item) continue;
       this.remove(item);
+      // Not stored, and a later ID may be: its ledger entry must not outlive this (a new owner
+      // would take it for stored).
+      voids.push([item.publish.key as string, item.id]);
       item.written = false;
       item.sent = false;
       item.id = 0n;
@@ -488,7 +561,37 @@ export class StreamTarget implements TargetSide {
       'stream publishes refused by the broker; sending them again under new IDs',
     );
     this.waiting.unshift(...refused);
+    this.dropFromLedger(voids);
     this.breakConnection(`${refused.length} publish(es) refused: ${errors[0]?.codeName}`);
+  }
+
+  /** Drops ledger entries at once, whatever the connection does; the pump waits for it. */
+  private dropFromLedger(entries: readonly (readonly [string, bigint])[]): void {
+    const previous = this.voiding ?? Promise.resolve();
+    const voiding: Promise<void> = previous.then(async () => {
+      for (let attempt = 1; !this.closed; attempt++) {
+        try {
+          await this.record.settle(entries, 0n);
+          return;
+        } catch (error) {
+          const fenced = this.fencedOr(error);
+          if (fenced instanceof BridgeError) {
+            this.fatal(fenced);
+            return;
+          }
+          this.log.warn(
+            { error: describe(error) },
+            'stream target: dropping refused IDs from the ledger failed; retrying',
+          );
+          await sleepUnlessStopped(backoffDelay(attempt, 100, 2000), this.options.stop);
+        }
+      }
+    });
+    this.voiding = voiding;
+    void voiding.finally(() => {
+      if (this.voiding === voiding) this.voiding = undefined;
+      this.pump();
+    });
   }
 
   // ---- the connection --------------------------------------------------------------------------
@@ -501,8 +604,8 @@ export class StreamTarget implements TargetSide {
     };
   }
 
-  private connect(): Promise<StreamClient> {
-    return StreamClient.connect(this.connectOptions());
+  private connect(): Promise<StreamConnection> {
+    return (this.options.connect ?? StreamClient.connect)(this.connectOptions());
   }
 
   private startError(error: unknown): unknown {
@@ -511,17 +614,24 @@ export class StreamTarget implements TargetSide {
         `${this.shown}: the broker refused the user name or password (${error.codeName})`,
       );
     }
+    if (error instanceof StreamResponseError && error.codeName === 'ACCESS_REFUSED') {
+      return new ConfigError(
+        `${this.where}: ${error.codeName}; grant the user write permission on the stream`,
+      );
+    }
     if (error instanceof StreamResponseError && error.codeName === 'VIRTUAL_HOST_ACCESS_FAILURE') {
       return new ConfigError(
         `${this.shown}: no access to the vhost (${error.codeName}); check the URL's vhost and the user's permissions`,
       );
     }
     if (error instanceof BridgeError) return error;
+    const tlsProblem = tlsFailure(error, 'target');
+    if (tlsProblem !== undefined) return new FatalConnectError(`${this.where}: ${tlsProblem}`);
     return new RuntimeFailure(`${this.where} unreachable: ${describe(error)}`);
   }
 
   /** Takes a connection into use: declares the publisher, answers what was written before by the last stored ID. */
-  private async attach(client: StreamClient): Promise<void> {
+  private async attach(client: StreamConnection): Promise<void> {
     client.on('confirm', (publisherId, ids) => {
       if (publisherId === PUBLISHER_ID && client === this.client) this.onConfirm(ids);
     });
@@ -541,7 +651,15 @@ export class StreamTarget implements TargetSide {
       if (!this.closed) this.recover(`connection lost: ${error ? describe(error) : 'closed'}`);
     });
     await client.declarePublisher(PUBLISHER_ID, this.options.producer, this.options.stream);
+    // The last stored ID says what of ours is stored only while nobody else wrote under our name:
+    // the producer must still be ours, at our epoch, from before the query to after its answer.
+    const askedAt = performance.now();
+    const taken = await this.record.take();
+    if (!taken.ours) throw this.taken();
+    this.leaseUntil = askedAt + this.options.leaseMs;
     const last = await client.queryPublisherSequence(this.options.producer, this.options.stream);
+    if (!this.leaseHolds) throw new Error('the producer lease ran low while settling the connection');
+    this.frameMax = client.frameMax;
     this.settleWritten(last);
     if (this.closed) {
       await client.close();
@@ -592,7 +710,7 @@ export class StreamTarget implements TargetSide {
       for (let attempt = 1; !this.closed; attempt++) {
         await sleepUnlessStopped(backoffDelay(attempt, 100, 5000), this.options.stop);
         if (this.closed || this.options.stop?.aborted) return;
-        let client: StreamClient | undefined;
+        let client: StreamConnection | undefined;
         try {
           client = await this.connect();
           await this.attach(client);
@@ -600,6 +718,10 @@ export class StreamTarget implements TargetSide {
           return;
         } catch (error) {
           client?.destroy();
+          if (error instanceof ProducerTakenError) {
+            this.fatal(error);
+            return;
+          }
           if (error instanceof StreamResponseError && FATAL_CODES.has(error.codeName)) {
             this.fatal(new RuntimeFailure(`${this.where}: ${error.message}`));
             return;
@@ -609,16 +731,20 @@ export class StreamTarget implements TargetSide {
       }
     })().finally(() => {
       this.recovering = undefined;
+      // A break while this recovery was finishing (inside attach) found it still running.
+      if (!this.client && !this.closed) this.recover('connection lost as it was taken into use');
     });
   }
 
   private fencedOr(error: unknown): unknown {
-    if (error instanceof Error && error.name === 'ProducerFencedError') {
-      return new ProducerTakenError(
-        `another bridge took over the stream producer "${this.options.producer}" of ${this.where}; stopping, so that what it holds goes back to the source`,
-      );
-    }
+    if (error instanceof Error && error.name === 'ProducerFencedError') return this.taken();
     return error;
+  }
+
+  private taken(): ProducerTakenError {
+    return new ProducerTakenError(
+      `another bridge took over the stream producer "${this.options.producer}" of ${this.where}; stopping, so that what it holds goes back to the source`,
+    );
   }
 
   private fatal(error: BridgeError): void {

@@ -50,6 +50,17 @@ export function isAlive(pid: number): boolean {
   }
 }
 
+/**
+ * CPU time (user + system) a process has used so far, in ms, from /proc/<pid>/stat (100 Hz ticks);
+ * throws once the process is gone.
+ */
+export function processCpuMs(pid: number): number {
+  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  // After the command name: state is the 3rd field, utime the 14th, stime the 15th.
+  const fields = stat.slice(stat.lastIndexOf(') ') + 2).split(' ');
+  return (Number(fields[11]) + Number(fields[12])) * 10;
+}
+
 /** True when the process is one of ours: its command line or working folder is inside `dir`. */
 function belongsTo(pid: number, dir: string): boolean {
   try {

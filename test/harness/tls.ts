@@ -84,6 +84,8 @@ export interface TlsServers {
   amqpsPort: number;
   /** The node's management API over https (no client certificate asked). */
   managementTlsPort: number;
+  /** The node's stream-protocol TLS listener (as amqpsPort: client certificates verified). */
+  streamTlsPort: number;
   redis: RedisServer;
   /** Redis's TLS port (clients must show a certificate signed by `certs.ca`). */
   redissPort: number;
@@ -104,11 +106,17 @@ export async function startTlsServers(harnessRunDir: string): Promise<TlsServers
   const amqpsPort = await freePort();
   const managementTlsPort = await freePort();
   const redissPort = await freePort();
+  const streamTlsPort = await freePort();
+  const streamPort = await freePort();
   // The node runs as the rabbitmq user: its files go inside its folder, which RabbitNode chowns.
   const certs = makeCertificates(join(runDir, 'tls-rabbit', 'certs'));
   const rabbit = new RabbitNode(runDir, 'tls-rabbit', {
     management: true,
+    plugins: ['rabbitmq_stream'],
     config: [
+      // The stream plugin takes ssl_options too; its plain port moved off the default 5552.
+      `stream.listeners.ssl.1 = ${streamTlsPort}`,
+      `stream.listeners.tcp.1 = ${streamPort}`,
       `management.ssl.port = ${managementTlsPort}`,
       'management.ssl.ip = 127.0.0.1',
       `management.ssl.cacertfile = ${certs.ca}`,
@@ -137,5 +145,5 @@ export async function startTlsServers(harnessRunDir: string): Promise<TlsServers
     await stop();
     throw error;
   }
-  return { certs, rabbit, amqpsPort, managementTlsPort, redis, redissPort, stop };
+  return { certs, rabbit, amqpsPort, managementTlsPort, streamTlsPort, redis, redissPort, stop };
 }

@@ -1,10 +1,14 @@
+import { readFileSync } from 'node:fs';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { StreamClient } from '../../src/stream/client.js';
 import { startTlsServers, type TlsServers } from '../harness/tls.js';
 import {
   type CliResult,
+  countDelivery,
   declareQueue,
   delivered,
   depthOf,
+  lines,
   numbered,
   publishAll,
   runCli,
@@ -12,6 +16,7 @@ import {
   startCli,
   uniqueName,
   waitFor,
+  withOption,
 } from '../helpers.js';
 
 // One RabbitMQ node and one Redis, each with a plain and a TLS port, with certificates made for
@@ -124,6 +129,44 @@ describe('TLS (amqps:// and rediss://)', () => {
     ]);
     expect(stats.stderr).toBe('');
     expect(stats.stdout).toContain(`scope queue:${target}: 300 committed IDs`);
+  });
+
+  it('migrate writes into a stream over rabbitmq-stream+tls://, with the CA and client certificate', async () => {
+    const { source } = await tlsQueues(200);
+    const stream = uniqueName('tls-stream');
+    const streamTls = `rabbitmq-stream+tls://guest:guest@127.0.0.1:${tls.streamTlsPort}/`;
+    const args = [
+      'migrate',
+      ...['--source', amqps(), '--source-queue', source, ...tlsFlags('source')],
+      ...['--target', streamTls, '--target-stream', stream, '--declare-target', ...tlsFlags('target')],
+      ...['--redis', rediss(), ...tlsFlags('redis')],
+      ...['--idle-timeout', '300ms', '--quiet'],
+    ];
+    const result = await runCli(args);
+    expect(result.stderr).toBe('');
+    expect(result.code).toBe(0);
+    const reader = await StreamClient.connect({
+      url: streamTls,
+      tls: {
+        ca: readFileSync(tls.certs.ca),
+        cert: readFileSync(tls.certs.clientCert),
+        key: readFileSync(tls.certs.clientKey),
+      },
+    });
+    try {
+      const stored = await reader.readStream(stream, { count: 200, idleMs: 2000 });
+      const ids = stored.map((message) => /tls-\d+/.exec(message.data.toString('latin1'))?.[0] ?? '');
+      const count = countDelivery('migrate into a stream over TLS', numbered('tls', 200).ids, ids);
+      expect(count).toMatchObject({ received: 200, lost: 0, duplicated: 0, unexpected: 0 });
+    } finally {
+      await reader.close();
+    }
+
+    // Trusting another CA, the stream endpoint's certificate is refused: one line, exit 2.
+    const wrong = await runCli(withOption(args, '--target-ca', tls.certs.wrongCa));
+    expect(wrong.code).toBe(2);
+    expect(lines(wrong.stderr)).toHaveLength(1);
+    expect(wrong.stderr).toMatch(/certificate/i);
   });
 
   it('migrate drains a queue over TLS and deletes it when empty', async () => {

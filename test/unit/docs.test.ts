@@ -15,9 +15,12 @@ function cliOptions(): Set<string> {
   const source = ['src/cli/options.ts', 'src/cli/cache.ts'].map(read).join('\n');
   const defined = [...source.matchAll(/'(--[a-z-]+)[ '<]/g)].map((match) => match[1] as string);
   // The benchmark's own options (npm run bench -- …) are documented in the same pages.
-  const bench = [...(read('bench/run.ts') + read('bench/redis-cost.ts')).matchAll(/'(--[a-z-]+)'/g)].map(
-    (match) => match[1] as string,
-  );
+  const bench = [
+    ...['bench/run.ts', 'bench/redis-cost.ts', 'bench/stream.ts']
+      .map(read)
+      .join('\n')
+      .matchAll(/'(--[a-z-]+)'/g),
+  ].map((match) => match[1] as string);
   return new Set([...defined, ...bench, '--help', '--version']);
 }
 
@@ -53,6 +56,18 @@ describe('the docs match the code', () => {
   const guide = read('docs/migration.md');
   const cli = read('docs/cli.md');
   const options = cliOptions();
+
+  it('the README’s first block is the two commands: run it (the demo) and test it', () => {
+    const first = blocks(read('README.md'), 'sh')[0] ?? '';
+    const commands = first
+      .split('\n')
+      .map((line) => line.replace(/#.*/, '').trim())
+      .filter((line) => line.length > 0);
+    expect(commands).toEqual(['npm ci && npm run demo', 'npm test']);
+    const scripts = JSON.parse(read('package.json')).scripts as Record<string, string>;
+    expect(scripts.demo).toBeDefined();
+    expect(scripts.test).toBeDefined();
+  });
 
   it('the migration guide’s YAML examples parse, and the CronJob forbids overlapping runs', () => {
     const documents = blocks(guide, 'yaml').map((text) => parse(text));

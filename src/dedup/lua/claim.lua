@@ -15,6 +15,9 @@
 --   1 dup       already committed: the target holds it
 --   2 busy      claimed by another owner whose lease is live
 --   3 in-doubt  claimed by an owner whose lease ran out (now ours): it may be on the target
+--   4 reclaimed as 3, from an owner whose token has our tag (`<tag>.<random>`: an earlier owner of
+--               the same stream producer, whose writes the producer's new owner settled exactly);
+--               our claim is then not flagged. A claim released in doubt (expiry 0) is never this
 -- or an error DEDUPLAYOUT when the stored layout has another shard count (see slice_length).
 -- A claim value is c:<owner>:<lease expiry ms>:<1 if in-doubt else 0>; a lease expiry of 0 marks a
 -- claim its owner released in doubt (release.lua), which no renewal re-arms. The key lives the
@@ -35,6 +38,7 @@ local slice_ms, wrong = slice_length(KEYS[2], ARGV[4], true)
 if not slice_ms then return redis.error_reply(wrong) end
 local slices = read_slices(meta, slice_ms, window, now)
 local packed = ARGV[5]
+local tag = string.match(token, '^([^.]+)%.')
 local reply = {}
 for i = 1, #KEYS - 2 do
   local key = KEYS[i + 2]
@@ -51,6 +55,9 @@ for i = 1, #KEYS - 2 do
       if flag == '1' then reply[i] = 3 else reply[i] = 0 end
     elseif expires and tonumber(expires) > now then
       reply[i] = 2
+    elseif tag and expires ~= '0' and owner and string.sub(owner, 1, #tag + 1) == tag .. '.' then
+      redis.call('SET', key, new_claim, 'PX', keep)
+      reply[i] = 4
     else
       redis.call('SET', key, 'c:' .. token .. ':' .. expiry .. ':1', 'PX', keep)
       reply[i] = 3
