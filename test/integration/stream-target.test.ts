@@ -9,6 +9,7 @@ import {
   numbered,
   publishAll,
   type RunningCli,
+  routeMarkOf,
   servers,
   startCli,
   takeRaw,
@@ -334,7 +335,9 @@ function withoutOffset(header: Buffer): string {
 
 /**
  * The corpus as the bridge wrote it into `bridgedStream` (among `total` messages) against a direct
- * 0-9-1 publish of the same messages into a second stream on the same broker: what a 0-9-1
+ * 0-9-1 publish of the same messages, with the one change the bridge documents for every forwarded
+ * copy (its route's `x-dedup-route` mark, appended last), into a second stream on the same broker:
+ * what a 0-9-1
  * consumer receives from each, content header byte for byte (but RabbitMQ's own x-stream-offset)
  * and body; and the stored AMQP 1.0 sections (but the message annotations, which name each
  * stream's routing key), which a stream-protocol consumer reads.
@@ -342,17 +345,26 @@ function withoutOffset(header: Buffer): string {
 async function expectAsDirect(
   label: string,
   sent: Sent[],
+  source: string,
   bridgedStream: string,
   total: number,
 ): Promise<void> {
-  const { targetUrl, targetStreamUrl } = servers();
+  const { sourceUrl, targetUrl, targetStreamUrl } = servers();
   const forwarded = sent.filter((message) => message.direct !== undefined);
   const reference = uniqueName('stream-direct');
   await declareStream(reference);
+  const mark = await routeMarkOf(sourceUrl, source);
   await publishFrames(
     targetUrl,
     reference,
-    forwarded.map((message) => ({ header: message.direct as Buffer, body: message.body })),
+    forwarded.map((message) => ({
+      header: new ContentHeader(message.direct as Buffer).splice({
+        remove: [],
+        append: [mark],
+        dropUserId: false,
+      }),
+      body: message.body,
+    })),
   );
 
   const [viaBridge, viaDirect] = await Promise.all([
@@ -506,7 +518,7 @@ describe('a RabbitMQ stream as target', () => {
       inDoubt: 0,
       remaining: 0,
     });
-    await expectAsDirect('lossless migrate', sent, stream, ids.length);
+    await expectAsDirect('lossless migrate', sent, source, stream, ids.length);
   });
 
   it('a message the stream cannot store as RabbitMQ would (a decimal header) is parked; the others land', async () => {
@@ -589,6 +601,6 @@ describe('a RabbitMQ stream as target', () => {
     expect(sequence).toBeGreaterThanOrEqual(BigInt(stored.length));
     expect(await publisherSequence(targetStreamUrl, `${producer}-other`, stream)).toBe(0n);
     // Byte for byte as a direct publish, through run as through migrate.
-    await expectAsDirect('lossless run', sent, stream, stored.length);
+    await expectAsDirect('lossless run', sent, source, stream, stored.length);
   });
 });
