@@ -106,6 +106,8 @@ export interface Target {
   readonly exact?: boolean;
   /** Told of the claims committed after their publish was stored (an exact target's bookkeeping). */
   committed?(keys: readonly string[]): void;
+  /** True once the target failed for good (it told onFatal): a publish is not tried again. */
+  readonly ended?: boolean;
 }
 
 /**

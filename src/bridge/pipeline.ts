@@ -478,7 +478,8 @@ export class Pipeline {
     let outcome = firstOutcome;
     for (let attempt = 1; ; attempt++) {
       if (outcome !== 'unknown' && outcome !== 'unsent') return outcome;
-      if (this.calls.abandoned) return 'unknown';
+      // A stop gave up waiting, or the target failed for good: the message stays unacked.
+      if (this.calls.abandoned || this.target.ended) return 'unknown';
       if (outcome === 'unknown') {
         // Written and not answered: from here on a copy of ours may be on the target.
         entry.doubt = true;

@@ -128,6 +128,8 @@ export class StreamTarget implements TargetSide {
   sizeLimit: number | undefined;
   /** The target answers every publish as stored or not stored: the pipeline never flags a copy. */
   readonly exact = true;
+  /** Failed for good (another bridge took the producer, the stream went): nothing more is stored. */
+  ended = false;
 
   private client: StreamConnection | undefined;
   private down: number | undefined = Date.now();
@@ -258,7 +260,7 @@ export class StreamTarget implements TargetSide {
 
   send(publish: Publish, answered: (outcome: PublishOutcome) => void): void {
     if (this.closed) {
-      answered('unsent');
+      answered(this.ended ? 'unknown' : 'unsent');
       return;
     }
     let data: Buffer;
@@ -748,9 +750,17 @@ export class StreamTarget implements TargetSide {
   }
 
   private fatal(error: BridgeError): void {
+    if (this.ended) return;
     this.closed = true;
+    this.ended = true;
     if (this.renewTimer) clearInterval(this.renewTimer);
-    this.client?.destroy();
+    const client = this.client;
+    this.client = undefined;
+    client?.destroy();
+    // Nothing more can be stored by this process: what it holds ends at once, unacked (the ledger
+    // and the claims stay for the producer's next owner to settle).
+    for (const item of [...this.waiting.splice(0), ...this.reserved.splice(0)]) item.answered('unknown');
+    this.out.clear();
     this.onFatal(error);
   }
 }
