@@ -2,7 +2,14 @@ import { rmSync } from 'node:fs';
 import { FaultProxy } from '../harness/proxy.js';
 import { cleanLeftovers, haveLocalServers, newRunDir, RabbitNode, RedisServer } from '../harness/servers.js';
 import { type RunningCli, startCli } from '../helpers.js';
-import { countStored, offenders, readStored, type StreamCount, StreamWatch } from '../stream-helpers.js';
+import {
+  countStored,
+  offenders,
+  read091,
+  readStored,
+  type StreamCount,
+  StreamWatch,
+} from '../stream-helpers.js';
 import { DepthProbe, type LogLine, logLines, sleep, totalMessages } from './world.js';
 
 /**
@@ -126,7 +133,18 @@ export class StreamWorld {
     ids: readonly string[],
   ): Promise<{ count: StreamCount; evidence: string }> {
     const stored = await readStored(this.target.streamUrl, stream, { idleMs: 2000 });
-    return { count: countStored(label, ids, stored), evidence: offenders(ids, stored) };
+    const count = countStored(label, ids, stored);
+    let evidence = offenders(ids, stored);
+    if (count.lost > 0) {
+      // A second reader, over 0-9-1, tells a message the stream lacks from one the reader missed.
+      const again = await read091(this.target.url, stream, ids.length).catch((error: Error) => error);
+      const other =
+        again instanceof Error
+          ? again.message
+          : `${new Set(again.map((message) => message.id)).size} distinct IDs`;
+      evidence += `; a 0-9-1 reader of the stream found ${other}`;
+    }
+    return { count, evidence };
   }
 
   async stop(): Promise<void> {
