@@ -8,7 +8,7 @@ import { fileURLToPath } from 'node:url';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
 import { DedupCache } from '../src/dedup/cache.js';
-import { cleanLeftovers, newRunDir, RabbitNode, RedisServer } from '../test/harness/servers.js';
+import { cleanLeftovers, newRunDir, processCpuMs, RabbitNode, RedisServer } from '../test/harness/servers.js';
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const CLI = `${ROOT}bin/dedup-bridge.js`;
@@ -304,27 +304,6 @@ async function depth(url: string, queue: string): Promise<number> {
   }
 }
 
-const lastCpuMs = new Map<number, number>();
-
-/**
- * CPU time (user + system) a process has used so far, in ms. Once it has exited, the last value
- * read (timeArrivals reads every 20 ms, so a mover that exits right after its last message is
- * counted up to then).
- */
-function cpuMs(pid: number | undefined): number {
-  if (!pid) return 0;
-  try {
-    // After the command name: state is the 3rd field, utime the 14th, stime the 15th (100 Hz ticks).
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    const fields = stat.slice(stat.lastIndexOf(') ') + 2).split(' ');
-    const used = (Number(fields[11]) + Number(fields[12])) * 10;
-    lastCpuMs.set(pid, used);
-    return used;
-  } catch {
-    return lastCpuMs.get(pid) ?? 0;
-  }
-}
-
 type CpuUse = Record<'mover' | 'source broker' | 'target broker' | 'Redis', number>;
 
 /** Where the steady part of a round began: when, how many had arrived, and the CPU used by then. */
@@ -378,7 +357,7 @@ async function timeArrivals(
 
 function cpuSample(pids: Record<keyof CpuUse, number | undefined>): CpuUse {
   const names = Object.keys(pids) as (keyof CpuUse)[];
-  return Object.fromEntries(names.map((name) => [name, cpuMs(pids[name])])) as CpuUse;
+  return Object.fromEntries(names.map((name) => [name, processCpuMs(pids[name])])) as CpuUse;
 }
 
 /**
@@ -388,7 +367,7 @@ function cpuSample(pids: Record<keyof CpuUse, number | undefined>): CpuUse {
 async function moverDone(mover: ChildProcess, timeoutMs: number): Promise<boolean> {
   const deadline = Date.now() + timeoutMs;
   while (mover.exitCode === null && mover.signalCode === null) {
-    cpuMs(mover.pid);
+    processCpuMs(mover.pid);
     if (Date.now() > deadline) return false;
     await sleep(20);
   }
@@ -859,7 +838,7 @@ async function parallelMigration(source: RabbitNode, target: RabbitNode, redisSe
         failures++;
         say(`  parallel ${width}: the mover did not finish within 60 s of the last arrival`);
       }
-      const spent = cpuMs(mover.pid) - used;
+      const spent = processCpuMs(mover.pid) - used;
       for (const [index, route] of routes.entries()) {
         await verify(
           target.url,
@@ -894,12 +873,12 @@ async function timeAllArrivals(
   const channel = await connection.createChannel();
   const deadline = Date.now() + 300_000;
   let first: number | undefined;
-  let start = cpuMs(pid);
+  let start = processCpuMs(pid);
   try {
     for (;;) {
       let arrived = 0;
       for (const route of routes) arrived += (await channel.checkQueue(route.targetQueue)).messageCount;
-      const now = cpuMs(pid);
+      const now = processCpuMs(pid);
       if (arrived > 0 && first === undefined) {
         first = Date.now();
         start = now;

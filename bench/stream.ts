@@ -15,13 +15,20 @@
 // outside the timing.
 // Exits non-zero only when a round did not deliver every message exactly once.
 import { type ChildProcess, spawn } from 'node:child_process';
-import { readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { rmSync, writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
 import { fileURLToPath } from 'node:url';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
 import { type Chunk, StreamClient } from '../src/stream/client.js';
-import { cleanLeftovers, freePort, newRunDir, RabbitNode, RedisServer } from '../test/harness/servers.js';
+import {
+  cleanLeftovers,
+  freePort,
+  newRunDir,
+  processCpuMs,
+  RabbitNode,
+  RedisServer,
+} from '../test/harness/servers.js';
 
 const ROOT = fileURLToPath(new URL('..', import.meta.url));
 const CLI = `${ROOT}bin/dedup-bridge.js`;
@@ -498,26 +505,9 @@ async function stopMover(mover: ChildProcess | string, source: RabbitNode): Prom
   }
 }
 
-const lastCpuMs = new Map<number, number>();
-
-/** CPU (user + system) a process has used so far, ms; once it has exited, the last value read. */
-function cpuMs(pid: number | undefined): number {
-  if (!pid) return 0;
-  try {
-    // After the command name: utime is the 14th field, stime the 15th (100 Hz ticks).
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    const fields = stat.slice(stat.lastIndexOf(') ') + 2).split(' ');
-    const used = (Number(fields[11]) + Number(fields[12])) * 10;
-    lastCpuMs.set(pid, used);
-    return used;
-  } catch {
-    return lastCpuMs.get(pid) ?? 0;
-  }
-}
-
 function cpuSample(pids: Pids): CpuUse {
   const names = Object.keys(pids) as (keyof CpuUse)[];
-  return Object.fromEntries(names.map((name) => [name, cpuMs(pids[name])])) as CpuUse;
+  return Object.fromEntries(names.map((name) => [name, processCpuMs(pids[name])])) as CpuUse;
 }
 
 function per1000(from: CpuUse, to: CpuUse, messages: number): CpuUse {
@@ -530,7 +520,7 @@ function per1000(from: CpuUse, to: CpuUse, messages: number): CpuUse {
 async function moverDone(mover: ChildProcess, timeoutMs: number): Promise<boolean> {
   const deadline = Date.now() + timeoutMs;
   while (mover.exitCode === null && mover.signalCode === null) {
-    cpuMs(mover.pid);
+    processCpuMs(mover.pid);
     if (Date.now() > deadline) return false;
     await sleep(20);
   }
