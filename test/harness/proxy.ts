@@ -8,6 +8,8 @@ interface Lane {
   to: Socket;
   slices: Buffer[];
   bytes: number;
+  /** Set by a cut: nothing more from `from` is passed on, and this runs once the queue is sent. */
+  cut?: () => void;
 }
 
 /** Bytes a lane holds before the proxy stops reading its sender (as TCP's window would). */
@@ -71,6 +73,7 @@ class PacedLink {
       lane.bytes -= slice.length;
       this.deliver(lane.to, slice);
       if (lane.slices.length > 0) this.active.push(lane);
+      else lane.cut?.();
       if (lane.bytes <= LANE_HIGH_WATER / 2 && lane.from.isPaused() && !lane.from.destroyed)
         lane.from.resume();
       if (this.bytesPerSecond !== undefined) this.nextAt += (slice.length / this.bytesPerSecond) * 1000;
@@ -164,6 +167,8 @@ export class FaultProxy {
       // Server bytes not yet a whole frame, while frames are being swallowed.
       let partial: Buffer = Buffer.alloc(0);
       from.on('data', (data: Buffer) => {
+        // Cut: what came after the cut point never reaches the server.
+        if (lane.cut) return;
         if (from === client) this.clientBytes += data.length;
         let chunk = data;
         if (from === upstream && (this.swallowed.size > 0 || partial.length > 0)) {
@@ -178,7 +183,13 @@ export class FaultProxy {
           this.cutAfter = room - chunk.length;
           if (this.cutAfter <= 0) {
             this.cutAfter = undefined;
-            upstream.write(chunk.subarray(0, room), () => this.resetAll());
+            const reset = () => upstream.write(Buffer.alloc(0), () => this.resetAll());
+            lane.cut = reset;
+            const tail = chunk.subarray(0, room);
+            // Bytes still queued on a slow line go first, as on any TCP link: the server gets a
+            // prefix of the stream, then the reset.
+            if (lane.slices.length > 0 || (link.limited && tail.length > 0)) link.send(lane, tail);
+            else upstream.write(tail, () => this.resetAll());
             return;
           }
         }
