@@ -21,6 +21,11 @@ export interface Delivery {
     readonly redelivered: boolean;
   };
   readonly properties: { readonly messageId?: unknown };
+  /**
+   * The message as a stream source stored it (AMQP 1.0 sections): a stream target writes these
+   * bytes, with only the bridge's own headers set, rather than a copy mapped through 0-9-1.
+   */
+  readonly amqp10?: Buffer;
 }
 
 export interface Source {
@@ -42,6 +47,29 @@ export interface Source {
   park(delivery: Delivery, reason: string): Promise<boolean>;
   /** Whether it is still ours to settle: false once the source took it back (a lost connection). */
   holds(delivery: Delivery): boolean;
+  /**
+   * The source's own name for this message, where it has one (a stream's position of it, as
+   * `<cluster>/<vhost>/<stream>@<offset>`): the ID under `--id-from offset`.
+   */
+  positionOf?(delivery: Delivery): string | undefined;
+}
+
+/**
+ * A source as the bridge runs it: the Source the pipeline consumes, and what the bridge, migrate
+ * and the metrics read of it. One adapter per source type (a queue over 0-9-1, a stream).
+ */
+export interface SourceSide extends Source {
+  /**
+   * Messages left to read: a queue's ready messages, a stream's messages between the read
+   * position and the end it reads to; undefined when unknown (a stream followed for ever).
+   */
+  depth(): Promise<number | undefined>;
+  /** Whether the route consumes (see RouteStatus.consuming), and whether it paused itself. */
+  consumption(): { consuming: boolean; paused: boolean };
+  /** Body bytes held, their peak, and bytes returned unread (--max-in-flight-bytes). */
+  readonly bytes: { readonly held: number; readonly peak: number; readonly returned: number };
+  /** Stops the consumer with every settlement sent (a queue's held acks, a stream's position). */
+  closeConsumer(): Promise<void>;
 }
 
 /** One publish: the pipeline fills the message fields, the target the answer fields. */
@@ -58,6 +86,10 @@ export interface Publish {
   id: string;
   /** Its claim key in the cache (an exact target records which claim each write belongs to). */
   readonly key?: string | undefined;
+  /** The message as its source stream stored it, when it came from one (see Delivery.amqp10). */
+  readonly amqp10?: Buffer | undefined;
+  /** The `_HQ_DUPL_ID` field the pipeline set in `properties` (name and value), if it set one. */
+  readonly idField?: Buffer | undefined;
   /**
    * performance.now() past which it must not be written (its lease is no longer known to hold):
    * checked at the write itself, after any wait for the connection, an alarm or a full buffer.

@@ -61,7 +61,13 @@ export class Admission {
     const routing = this.source.routingOf(message);
     entry.routingKey = routing.routingKey;
     const { id, rejected } = deriveId(
-      { content: message.content, exchange: routing.exchange, routingKey: routing.routingKey, header },
+      {
+        content: message.content,
+        exchange: routing.exchange,
+        routingKey: routing.routingKey,
+        header,
+        position: this.source.positionOf?.(message),
+      },
       this.idFrom,
     );
     if (rejected.length > 0) {

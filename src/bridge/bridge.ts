@@ -10,6 +10,7 @@ import type { BridgeSettings } from '../config/settings.js';
 import { loopMessage } from '../config/settings.js';
 import { streamTlsOptions } from '../config/tls.js';
 import { DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
+import { PositionStore } from '../dedup/position.js';
 import { ProducerStore } from '../dedup/producer.js';
 import {
   connectRedis,
@@ -20,7 +21,8 @@ import {
 } from '../dedup/redis.js';
 import { BridgeError, ConfigError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../log.js';
-import type { TargetSide } from '../ports.js';
+import type { SourceSide, TargetSide } from '../ports.js';
+import { StreamSource } from '../stream/source.js';
 import { StreamTarget } from '../stream/target.js';
 import { MessageBudget } from './limits.js';
 import { Pipeline } from './pipeline.js';
@@ -123,7 +125,7 @@ export interface Bridge {
   /** The route's name in logs and metrics. */
   route: string;
   pipeline: Pipeline;
-  source: SourceQueue;
+  source: SourceSide;
   /** Resolves when something fails that retrying cannot fix (a queue deleted, credentials revoked). */
   failure: Promise<BridgeError>;
   /**
@@ -151,6 +153,8 @@ export interface BridgeLimits {
   afterConfirm?: () => void;
   /** A stop signal: waiting for a server at start ends at once with StopRequested. */
   stop?: AbortSignal;
+  /** migrate: a stream source reads up to the stream's end as it was at start, then stops. */
+  toEnd?: boolean;
 }
 
 export async function startBridge(
@@ -159,19 +163,11 @@ export async function startBridge(
   limits: BridgeLimits = {},
 ): Promise<Bridge> {
   const routeLog = log.child({ route: settings.route });
-  const sourceWhere = `source broker at ${redactUrl(settings.sourceUrl)}`;
   // No more deliveries than --max-messages lets this run take: one past it is returned, and a
   // quorum queue counts that return toward its delivery limit.
   const prefetch = Math.max(1, Math.min(settings.prefetch, limits.budget?.remaining ?? settings.prefetch));
-  const source = new SourceQueue(
-    settings.sourceQueue,
-    prefetch,
-    settings.parkQueue,
-    sourceWhere,
-    routeLog,
-    new InFlightBytes(settings.maxInFlightBytes),
-  );
-  source.deliveryLimit = settings.sourceDeliveryLimit;
+  const sourceLink = sourceLinkOf(settings, prefetch, routeLog, limits);
+  const source = sourceLink.source;
   // A stream target is made once the source link is up: its producer is named after the route.
   let target: TargetSide | undefined =
     settings.targetStream === undefined
@@ -188,20 +184,6 @@ export async function startBridge(
           routeLog,
         )
       : undefined;
-  const sourceLink = new AmqpLink(
-    settings.sourceUrls,
-    {
-      side: 'source',
-      retryForMs: settings.retryForMs,
-      log: routeLog,
-      tls: settings.tls.source,
-      stop: limits.stop,
-    },
-    (connection) => source.attach(connection),
-    () => source.detach(),
-  );
-  source.onBroken = (reason) => sourceLink.reset(reason);
-
   const budget = limits.budget ?? new MessageBudget(undefined);
   let redis: RedisClient | undefined;
   // --redis-wait-replicas: commits go on a connection of their own (see DedupCacheOptions).
@@ -238,7 +220,7 @@ export async function startBridge(
     // A stream route's producer is named after the source (its cluster), and tags the claims.
     let producer: string | undefined;
     if (settings.targetStream !== undefined) {
-      await sourceLink.start();
+      await sourceLink.start(redis);
       producer = settings.targetProducer ?? producerName(`${sourceLink.identity}/${settings.sourceQueue}`);
     }
     const token = producer === undefined ? newOwnerToken() : streamOwnerToken(producer);
@@ -272,7 +254,7 @@ export async function startBridge(
       () => DedupCache.open(openedRedis, cacheOptions),
       limits.stop,
     );
-    if (producer === undefined) await sourceLink.start();
+    if (producer === undefined) await sourceLink.start(redis);
     // A new scope's first slice of committed IDs is sized for the backlog about to be forwarded
     // (no more than --max-messages lets this run take).
     cache.expectedIds = Math.min((await source.depth()) ?? 0, budget.remaining);
@@ -326,7 +308,7 @@ export async function startBridge(
   );
   // After a source reconnect, consume again only once the deliveries of the lost channel are
   // settled, so that what the bridge holds never exceeds one prefetch window.
-  source.beforeConsume = () => pipeline.whenIdle();
+  if (source instanceof SourceQueue) source.beforeConsume = () => pipeline.whenIdle();
 
   let reportFailure: (error: BridgeError) => void = () => {};
   const failure = new Promise<BridgeError>((resolve) => {
@@ -415,5 +397,107 @@ export async function startBridge(
     }),
     stop: (timeoutMs: number) => pipeline.stop(timeoutMs),
     close: closeAll,
+  };
+}
+
+/** The source's connection and adapter: a queue over AMQP 0-9-1, or a stream. */
+interface SourceLink {
+  source: SourceQueue | StreamSource;
+  /** `<cluster>/<vhost>`, once started. */
+  readonly identity: string | undefined;
+  readonly where: string;
+  readonly isUp: boolean;
+  readonly downSince: number | undefined;
+  onFatal: (error: BridgeError) => void;
+  start(redis: RedisClient): Promise<void>;
+  close(): Promise<void>;
+}
+
+function sourceLinkOf(
+  settings: BridgeSettings,
+  prefetch: number,
+  log: Logger,
+  limits: BridgeLimits,
+): SourceLink {
+  if (settings.sourceStream !== undefined) {
+    const stream = settings.sourceStream;
+    const source = new StreamSource(
+      {
+        url: settings.sourceUrl,
+        stream,
+        tls: streamTlsOptions(settings.sourceUrl, settings.tls.source),
+        start: settings.sourceStart,
+        prefetch,
+        toEnd: limits.toEnd ?? false,
+        retryForMs: settings.retryForMs,
+        stop: limits.stop,
+      },
+      log,
+    );
+    return {
+      source,
+      get identity() {
+        return source.identity;
+      },
+      get where() {
+        return source.where;
+      },
+      get isUp() {
+        return source.isUp;
+      },
+      get downSince() {
+        return source.downSince;
+      },
+      get onFatal() {
+        return source.onFatal;
+      },
+      set onFatal(handler) {
+        source.onFatal = handler;
+      },
+      // The position is kept in the route's scope, named after the stream and its cluster.
+      start: (redis) =>
+        source.start((name) => new PositionStore(redis, settings.redisPrefix, settings.scope, name)),
+      close: () => source.close(),
+    };
+  }
+  const source = new SourceQueue(
+    settings.sourceQueue,
+    prefetch,
+    settings.parkQueue,
+    `source broker at ${redactUrl(settings.sourceUrl)}`,
+    log,
+    new InFlightBytes(settings.maxInFlightBytes),
+  );
+  source.deliveryLimit = settings.sourceDeliveryLimit;
+  const amqp = new AmqpLink(
+    settings.sourceUrls,
+    { side: 'source', retryForMs: settings.retryForMs, log, tls: settings.tls.source, stop: limits.stop },
+    (connection) => source.attach(connection),
+    () => source.detach(),
+  );
+  source.onBroken = (reason) => amqp.reset(reason);
+  return {
+    source,
+    get identity() {
+      return amqp.identity;
+    },
+    get where() {
+      return amqp.where;
+    },
+    get isUp() {
+      return amqp.isUp;
+    },
+    get downSince() {
+      return amqp.downSince;
+    },
+    get onFatal() {
+      return amqp.onFatal;
+    },
+    set onFatal(handler) {
+      amqp.onFatal = handler;
+      source.onFatal = handler;
+    },
+    start: () => amqp.start(),
+    close: () => amqp.close(),
   };
 }

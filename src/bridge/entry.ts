@@ -47,6 +47,7 @@ export function newEntry(message: Delivery): Entry {
     idField: undefined,
     properties: EMPTY,
     content: message.content,
+    amqp10: message.amqp10,
     routingKey: '',
     id: '',
     state: undefined,

@@ -104,10 +104,22 @@ export function addBridgeOptions(command: Command, mode: 'run' | 'migrate'): Com
     .addOption(
       new Option(
         '--source <url>',
-        'source broker, amqp://user:password@host:5672/vhost (cluster nodes: comma-separated URLs)',
+        'source broker, amqp://user:password@host:5672/vhost (cluster nodes: comma-separated URLs), or one stream endpoint, rabbitmq-stream://user:password@host:5552/vhost (with --source-stream)',
       ).env('DEDUP_BRIDGE_SOURCE'),
     )
     .addOption(sourceQueueOption(mode))
+    .addOption(
+      new Option(
+        '--source-stream <name>',
+        'with a rabbitmq-stream:// --source: the stream to read (a stream source, read over the stream protocol)',
+      ).env('DEDUP_BRIDGE_SOURCE_STREAM'),
+    )
+    .addOption(
+      new Option(
+        '--source-start <where>',
+        'with --source-stream, where a route with no stored position starts: first, last, next, an offset, or a time (2026-12-01T00:00:00Z) (default first)',
+      ).env('DEDUP_BRIDGE_SOURCE_START'),
+    )
     .addOption(
       new Option(
         '--target <url>',

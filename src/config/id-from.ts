@@ -3,11 +3,16 @@
 import { ConfigError } from '../errors.js';
 
 /** Where a message's dedup ID comes from; `--id-from` is an ordered list of these. */
-export type IdStrategy = { kind: 'header'; name: string } | { kind: 'message-id' } | { kind: 'content' };
+export type IdStrategy =
+  | { kind: 'header'; name: string }
+  | { kind: 'message-id' }
+  | { kind: 'content' }
+  | { kind: 'offset' };
 
 export const DEFAULT_ID_FROM = 'header:_HQ_DUPL_ID,header:_AMQ_DUPL_ID,message-id,content';
 
-export function parseIdFrom(text: string): IdStrategy[] {
+/** `streamSource`: `offset` (a stream message's position) is a strategy only for a stream source. */
+export function parseIdFrom(text: string, streamSource = false): IdStrategy[] {
   const items = text
     .split(',')
     .map((item) => item.trim())
@@ -18,11 +23,19 @@ export function parseIdFrom(text: string): IdStrategy[] {
   return items.map((item): IdStrategy => {
     if (item === 'message-id') return { kind: 'message-id' };
     if (item === 'content') return { kind: 'content' };
+    if (item === 'offset') {
+      if (!streamSource) {
+        throw new ConfigError(
+          "--id-from: offset is a stream message's position and goes with a stream source (--source rabbitmq-stream://…); use header:NAME, message-id or content",
+        );
+      }
+      return { kind: 'offset' };
+    }
     if (item.startsWith('header:') && item.length > 'header:'.length) {
       return { kind: 'header', name: item.slice('header:'.length) };
     }
     throw new ConfigError(
-      `--id-from: "${item}" is not a strategy; use header:NAME, message-id or content (comma-separated, first match wins)`,
+      `--id-from: "${item}" is not a strategy; use header:NAME, message-id, content or, for a stream source, offset (comma-separated, first match wins)`,
     );
   });
 }

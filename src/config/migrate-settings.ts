@@ -166,6 +166,30 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     if (typeof item !== 'string' && item.target) mapped.set(source, item.target);
   }
   for (const queue of raw.sourceQueue ?? []) queues.push(queue);
+  // A stream source is one route: its stream, read over the stream protocol.
+  const sourceUrl = raw.source ?? file?.source;
+  const streamSource = sourceUrl?.split(',').some((url) => isStreamUrl(url.trim())) === true;
+  if (streamSource) {
+    if (raw.dryRun) {
+      throw new ConfigError(
+        '--dry-run: reads a source queue and returns what it read; it does not go with a stream source',
+      );
+    }
+    if (raw.deleteSourceWhenEmpty) {
+      throw new ConfigError(
+        '--delete-source-when-empty: a stream is read, not emptied; it does not go with a stream source',
+      );
+    }
+    if (raw.sourceManagement) {
+      throw new ConfigError(
+        "--source-management: reads a source queue's settings; it does not go with a stream source",
+      );
+    }
+    if (queues.length > 0 || raw.sourceStream === undefined) {
+      return refuseStreamSourceJob(queues, file);
+    }
+    queues.push(raw.sourceStream);
+  }
   for (const pair of raw.map ?? []) {
     const match = /^([^=]+)=([^=]+)$/.exec(pair);
     if (!match) throw new ConfigError(`--map: "${pair}" is not source=target`);
@@ -204,7 +228,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     resolveBridgeSettings(
       {
         ...base,
-        sourceQueue: queue,
+        sourceQueue: streamSource ? undefined : queue,
         // A stream target takes no queue: one given is refused by resolveBridgeSettings, naming it.
         targetQueue:
           raw.targetExchange !== undefined || stream
@@ -231,6 +255,11 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   }
   // A stream is created with no arguments unless the source queue, read there, is itself a stream.
   if (raw.declareTarget && !raw.sourceManagement && !stream) {
+    if (streamSource) {
+      throw new ConfigError(
+        '--declare-target: for a stream source it creates a target stream; declare the target queue yourself',
+      );
+    }
     throw new ConfigError(
       '--declare-target: needs --source-management <url> (the source broker management API, e.g. http://user:password@host:15672)',
     );
@@ -319,4 +348,21 @@ function defaultJobName(first: BridgeSettings, routes: BridgeSettings[]): string
     routes: routes.map((route) => `${route.sourceQueue}>${route.scope}`).sort(),
   });
   return `migrate-${createHash('sha256').update(description).digest('hex').slice(0, 12)}`;
+}
+
+/** A stream source names its one stream with --source-stream: a queue list is not for it. */
+function refuseStreamSourceJob(queues: readonly string[], file: unknown): never {
+  if (file !== undefined) {
+    throw new ConfigError(
+      '--job-file: lists source queues; a stream source is read with --source-stream <name>',
+    );
+  }
+  if (queues.length > 0) {
+    throw new ConfigError(
+      '--source-queue: does not go with a stream source (rabbitmq-stream://); --source-stream names the stream to read',
+    );
+  }
+  throw new ConfigError(
+    '--source-stream (or DEDUP_BRIDGE_SOURCE_STREAM): a stream source (rabbitmq-stream://) needs the stream to read',
+  );
 }

@@ -1,6 +1,7 @@
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../log.js';
+import type { OffsetSpec } from '../stream/client.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
 import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from './id-from.js';
 import { hasHiddenPassword, redactUrl } from './redact.js';
@@ -44,6 +45,8 @@ export const DEFAULTS = {
 export interface RawOptions extends TlsRawOptions {
   source?: string;
   sourceQueue?: string;
+  sourceStream?: string;
+  sourceStart?: string;
   target?: string;
   targetQueue?: string;
   targetExchange?: string;
@@ -102,7 +105,12 @@ export interface BridgeSettings {
    * checks, see bridge/source-ttl.ts); undefined when not read (no management API, a classic queue).
    */
   sourceDeliveryLimit?: SourceDeliveryLimit;
+  /** The queue consumed; for a stream source, the stream's name. */
   sourceQueue: string;
+  /** The stream a rabbitmq-stream:// source reads; undefined for a queue source. */
+  sourceStream?: string | undefined;
+  /** Where a stream source route with no stored position starts (--source-start). */
+  sourceStart: OffsetSpec;
   /** The first of targetUrls. */
   targetUrl: string;
   /** The nodes of the target cluster; for a stream target (rabbitmq-stream://), its one URL. */
@@ -160,6 +168,8 @@ export const SCOPE_PATTERN = /^[^{}\s]+$/;
 const FLAG: Record<string, string> = {
   source: '--source (or DEDUP_BRIDGE_SOURCE)',
   sourceQueue: '--source-queue (or DEDUP_BRIDGE_SOURCE_QUEUE)',
+  sourceStream: '--source-stream (or DEDUP_BRIDGE_SOURCE_STREAM)',
+  sourceStart: '--source-start (or DEDUP_BRIDGE_SOURCE_START)',
   target: '--target (or DEDUP_BRIDGE_TARGET)',
   targetQueue: '--target-queue',
   targetExchange: '--target-exchange',
@@ -253,15 +263,31 @@ function urlItems(value: string): string[] {
 /** One URL, or several comma-separated (the nodes of a cluster, tried in turn). */
 const amqpUrlList = z.string().transform(urlItems).pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
 
-/** Why --source refuses a stream URL (a stream queue read over AMQP is refused at start, by type). */
-const STREAM_SOURCE =
-  'a stream source (rabbitmq-stream://) is not supported yet (issue 31); consume the queue over AMQP instead: give the broker as amqp:// or amqps://';
-
-/** The source: AMQP URLs only. */
+/** The source: AMQP URLs (a cluster's nodes), or one stream URL (read over the stream protocol). */
 const sourceUrlList = z
   .string()
-  .refine((value) => !urlItems(value).some(isStreamUrl), { message: STREAM_SOURCE, abort: true })
-  .pipe(amqpUrlList);
+  .superRefine((value, ctx) => {
+    const items = urlItems(value);
+    if (!items.some(isStreamUrl)) {
+      const parsed = amqpUrlList.safeParse(value);
+      for (const issue of parsed.error?.issues ?? [])
+        ctx.addIssue({ code: 'custom', message: issue.message });
+      return;
+    }
+    if (items.length > 1) {
+      ctx.addIssue({
+        code: 'custom',
+        message: `a stream source is one rabbitmq-stream:// URL; a list of ${items.length} URLs is not supported for a stream (yet): give one node`,
+      });
+      return;
+    }
+    try {
+      parseStreamUrl(items[0] as string);
+    } catch (error) {
+      ctx.addIssue({ code: 'custom', message: (error as Error).message });
+    }
+  })
+  .transform(urlItems);
 
 /**
  * The target: AMQP URLs (a cluster's nodes), or one stream URL, rabbitmq-stream:// or
@@ -361,7 +387,8 @@ export const count = (min: number, max: number) =>
 const rawSchema = z
   .object({
     source: sourceUrlList,
-    sourceQueue: name,
+    sourceQueue: name.optional(),
+    sourceStream: name.optional(),
     target: targetUrlList,
     targetQueue: name.optional(),
     targetExchange: exchangeName.optional(),
@@ -387,6 +414,8 @@ const rawSchema = z
     }),
   })
   .superRefine((options, ctx) => {
+    for (const [field, message] of sourceIssues(options))
+      ctx.addIssue({ code: 'custom', path: [field], message });
     if (isStreamTarget(options.target)) {
       for (const [field, message] of streamTargetIssues(options)) {
         ctx.addIssue({ code: 'custom', path: [field], message });
@@ -439,6 +468,51 @@ const rawSchema = z
       });
     }
   });
+
+/** A queue source names its queue; a stream source its stream, and holds what it cannot forward. */
+function sourceIssues(options: {
+  source: string[];
+  sourceQueue?: string | undefined;
+  sourceStream?: string | undefined;
+  onUnforwardable: UnforwardablePolicy;
+}): [string, string][] {
+  if (!isStreamTarget(options.source)) {
+    if (options.sourceStream !== undefined) {
+      return [
+        [
+          'sourceStream',
+          'goes with a stream source, --source rabbitmq-stream://… (or rabbitmq-stream+tls://); with an amqp:// source give --source-queue',
+        ],
+      ];
+    }
+    return options.sourceQueue === undefined ? [['sourceQueue', 'is required']] : [];
+  }
+  if (options.sourceQueue !== undefined) {
+    return [
+      [
+        'sourceQueue',
+        'does not go with a stream source (rabbitmq-stream://); --source-stream names the stream to read',
+      ],
+    ];
+  }
+  if (options.sourceStream === undefined) {
+    return [
+      [
+        'sourceStream',
+        'a stream source (rabbitmq-stream://) needs --source-stream <name>, the stream to read',
+      ],
+    ];
+  }
+  if (options.onUnforwardable !== 'retry') {
+    return [
+      [
+        'onUnforwardable',
+        `${options.onUnforwardable} is not for a stream source: a stream has no dead-lettering and keeps its messages, so a message that cannot be forwarded is held and retried (retry, the default), and the route's position waits for it`,
+      ],
+    ];
+  }
+  return [];
+}
 
 /** What a stream target refuses: a queue, exchange or routing key beside it, or no stream named. */
 function streamTargetIssues(options: {
@@ -514,6 +588,7 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
   const parsed = rawSchema.safeParse({
     source: raw.source,
     sourceQueue: raw.sourceQueue,
+    sourceStream: raw.sourceStream,
     target: raw.target,
     targetQueue: raw.targetQueue,
     targetExchange: raw.targetExchange,
@@ -534,16 +609,29 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
   if (!parsed.success) throw firstIssue(parsed.error);
   const options = parsed.data;
   const stream = isStreamTarget(options.target) ? options.targetStream : undefined;
+  const sourceStream = isStreamTarget(options.source) ? options.sourceStream : undefined;
+  const sourceQueue = (sourceStream ?? options.sourceQueue) as string;
+  if (raw.sourceStart !== undefined && sourceStream === undefined) {
+    throw new ConfigError(`${FLAG.sourceStart}: goes with a stream source (--source rabbitmq-stream://…)`);
+  }
+  const sourceStart = parseStart(raw.sourceStart ?? 'first');
+  if (
+    sourceStream !== undefined &&
+    stream === sourceStream &&
+    sameStreamEndpoint(options.source[0] as string, options.target[0] as string)
+  ) {
+    throw new ConfigError(loopMessage(sourceStream, redactUrl(options.target[0] as string)));
+  }
 
   const targetExchange = options.targetExchange ?? '';
   const targetRoutingKey = options.targetQueue ?? options.targetRoutingKey;
   if (
     stream === undefined &&
     targetExchange === '' &&
-    targetRoutingKey === options.sourceQueue &&
+    targetRoutingKey === sourceQueue &&
     options.source.some((source) => options.target.some((target) => sameBroker(source, target)))
   ) {
-    throw new ConfigError(loopMessage(options.sourceQueue, redactUrl(options.target[0] as string)));
+    throw new ConfigError(loopMessage(sourceQueue, redactUrl(options.target[0] as string)));
   }
   const scope =
     options.scope ??
@@ -582,10 +670,12 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
   }
 
   return {
-    route: options.sourceQueue,
+    route: sourceQueue,
     sourceUrl: options.source[0] as string,
     sourceUrls: options.source,
-    sourceQueue: options.sourceQueue,
+    sourceQueue,
+    sourceStream,
+    sourceStart,
     targetUrl: options.target[0] as string,
     targetUrls: options.target,
     targetExchange,
@@ -598,7 +688,11 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
     redisPrefix: options.redisPrefix,
     redisWaitReplicas: options.redisWaitReplicas,
     scope,
-    idFrom: parseIdFrom(raw.idFrom ?? DEFAULTS.idFrom),
+    // A stream's entries are each their own message, whatever IDs they carry: their offsets.
+    idFrom: parseIdFrom(
+      raw.idFrom ?? (sourceStream !== undefined ? 'offset' : DEFAULTS.idFrom),
+      sourceStream !== undefined,
+    ),
     dedupWindowMs,
     prefetch: options.prefetch,
     maxInFlightBytes,
@@ -659,4 +753,24 @@ function sameBroker(a: string, b: string): boolean {
     }
   };
   return parse(a) === parse(b);
+}
+
+/** --source-start: first, last, next, an offset, or an ISO 8601 time with its zone. */
+function parseStart(text: string): OffsetSpec {
+  const value = text.trim();
+  if (value === 'first' || value === 'last' || value === 'next') return value;
+  if (/^\d+$/.test(value) && BigInt(value) < 2n ** 63n) return { offset: BigInt(value) };
+  if (/^\d{4}-\d{2}-\d{2}T.*(Z|[+-]\d{2}:?\d{2})$/.test(value) && !Number.isNaN(Date.parse(value))) {
+    return { timestamp: BigInt(Date.parse(value)) };
+  }
+  throw new ConfigError(
+    `${FLAG.sourceStart}: "${text}" is not a start; give first, last, next, an offset (a whole number) or a time such as 2026-12-01T00:00:00Z`,
+  );
+}
+
+/** Whether two stream URLs name the same endpoint and vhost. */
+function sameStreamEndpoint(a: string, b: string): boolean {
+  const x = parseStreamUrl(a);
+  const y = parseStreamUrl(b);
+  return x.host === y.host && x.port === y.port && x.vhost === y.vhost;
 }

@@ -26,6 +26,8 @@ export interface IdSource {
   exchange: string | Buffer;
   routingKey: string | Buffer;
   header: ContentHeader;
+  /** The source's own name for the message (a stream's position of it), for `--id-from offset`. */
+  position?: string | undefined;
 }
 
 export interface DedupId {
@@ -67,6 +69,20 @@ export function deriveId(message: IdSource, strategies: readonly IdStrategy[]): 
           value: header.valueBytes(span),
           own: strategy.name === DUPLICATE_ID_HEADER,
           strategy: `header:${strategy.name}`,
+        },
+        rejected,
+      };
+    }
+    if (strategy.kind === 'offset') {
+      if (message.position === undefined) continue;
+      // As `_HQ_DUPL_ID` text: a later hop reading that header keys it the same.
+      const text = Buffer.from(message.position, 'utf8');
+      return {
+        id: {
+          key: keyOfBytes(text),
+          value: encodeValue({ type: 'S', value: text }),
+          own: false,
+          strategy: 'offset',
         },
         rejected,
       };

@@ -87,6 +87,7 @@ export async function migrateQueue(
     budget: control.budget,
     throttle: control.throttle,
     stop: control.stop,
+    toEnd: true,
   });
   const { pipeline, source } = bridge;
   control.watch?.add(bridge);
@@ -138,7 +139,9 @@ export async function migrateQueue(
       problem =
         `${settings.sourceQueue}: ${pipeline.heldCount} message(s) could not be forwarded for ${Math.round(pipeline.msSinceProgress / 1000)}s ` +
         `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID, ${pipeline.counters.unforwardable} unforwardable); ` +
-        `they stay in the source queue: ${stallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable, pipeline.counters.nacked)}`;
+        (settings.sourceStream === undefined
+          ? `they stay in the source queue: ${stallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable, pipeline.counters.nacked)}`
+          : `the route's position in the stream stays before them, and the next run reads them again: ${streamStallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable)}`);
     } else if (pipeline.heldCount === 0) {
       // Drained: the source is empty, nothing is in flight, and both stay so for the idle timeout.
       const depth = await readDepth();
@@ -170,7 +173,8 @@ export async function migrateQueue(
   control.watch?.remove(bridge);
   await bridge.close().catch(() => {});
   let deleted = false;
-  if (outcome === 'drained' && control.deleteSourceWhenEmpty) {
+  // A stream is read, not emptied: it is never deleted.
+  if (outcome === 'drained' && control.deleteSourceWhenEmpty && settings.sourceStream === undefined) {
     const deletion = await deleteIfEmpty(settings, control.log);
     deleted = deletion.deleted;
     if (deletion.kept !== undefined)
@@ -320,4 +324,13 @@ function stallAdvice(sizeLimit: number | undefined, unroutable: number, nacked =
   if (sizeLimit === undefined) return `fix the target binding, ${setAside}`;
   const binding = unroutable > 0 ? ' (and fix the target binding for the unroutable ones)' : '';
   return `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit on the target${binding}, ${setAside} to set them aside`;
+}
+
+/** The same for a stream source, which keeps its messages and has nowhere to set one aside. */
+function streamStallAdvice(sizeLimit: number | undefined, unroutable: number): string {
+  if (sizeLimit !== undefined)
+    return `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit`;
+  return unroutable > 0
+    ? 'fix the target binding'
+    : 'make the target take them (room on a queue at its length limit, say)';
 }

@@ -249,6 +249,8 @@ async function checkTopology(routes: BridgeSettings[], log: Logger, stop?: Abort
       for (const route of routes) await checkTargetStream(route, log, stop);
       continue;
     }
+    // A stream source is checked as its reader starts (the stream exists, the user may read it).
+    if (side === 'source' && first.sourceStream !== undefined) continue;
     const url = side === 'source' ? first.sourceUrl : first.targetUrl;
     const connection = await connectAmqp(url, {
       side,

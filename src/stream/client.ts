@@ -462,6 +462,8 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
   private tuned: ((tune: { frameMax: number; heartbeat: number }) => void) | undefined;
   private readonly timeoutMs: number;
   private readonly subscriptions = new Set<number>();
+  /** Subscriptions whose credit the caller grants (see subscribe's `manualCredit`). */
+  private readonly manual = new Set<number>();
 
   private constructor(
     endpoint: StreamEndpoint,
@@ -779,11 +781,19 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
    * Subscribes to a stream from `offset`, with `credit` chunks in flight; chunks come as 'chunk'
    * events and the credit is renewed one chunk at a time.
    */
-  async subscribe(subscriptionId: number, stream: string, offset: OffsetSpec, credit = 10): Promise<void> {
+  async subscribe(
+    subscriptionId: number,
+    stream: string,
+    offset: OffsetSpec,
+    credit = 10,
+    { manualCredit = false } = {},
+  ): Promise<void> {
     checkByteId(subscriptionId, 'subscription ID');
     // Known before the answer: the first chunks can come in the same read as the answer, and a
     // chunk of an unknown subscription gets no credit back (the subscription then starves).
     this.subscriptions.add(subscriptionId);
+    if (manualCredit) this.manual.add(subscriptionId);
+    else this.manual.delete(subscriptionId);
     try {
       await this.call(
         'Subscribe',
@@ -802,6 +812,12 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
       this.subscriptions.delete(subscriptionId);
       throw error;
     }
+  }
+
+  /** Grants `chunks` more chunks to a subscription made with `manualCredit`. */
+  credit(subscriptionId: number, chunks: number): void {
+    if (!this.subscriptions.has(subscriptionId) || this.closed !== null || chunks <= 0) return;
+    this.write(new Writer(9).u16(Command.Credit).u16(1).u8(subscriptionId).u16(chunks).frame());
   }
 
   async unsubscribe(subscriptionId: number): Promise<void> {
@@ -972,7 +988,11 @@ export class StreamClient extends EventEmitter<StreamClientEvents> {
       case Command.Deliver: {
         const subscriptionId = r.u8();
         const chunk = parseChunk(r);
-        if (this.subscriptions.has(subscriptionId) && this.closed === null) {
+        if (
+          this.subscriptions.has(subscriptionId) &&
+          !this.manual.has(subscriptionId) &&
+          this.closed === null
+        ) {
           this.write(new Writer(9).u16(Command.Credit).u16(1).u8(subscriptionId).u16(1).frame());
         }
         this.emit('chunk', subscriptionId, chunk);

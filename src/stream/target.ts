@@ -11,10 +11,12 @@ import {
   StopRequested,
   UnavailableError,
 } from '../errors.js';
+import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
 import type { Publish, PublishOutcome, TargetSide } from '../ports.js';
 import { ContentHeader } from '../wire/properties.js';
 import { encodeMessage, mappingFor } from './amqp10.js';
+import { replaceApplicationProperties } from './amqp10-read.js';
 import {
   StreamAuthenticationError,
   StreamClient,
@@ -265,10 +267,10 @@ export class StreamTarget implements TargetSide {
     }
     let data: Buffer;
     try {
-      data = encodeMessage(new ContentHeader(publish.properties), publish.content, {
-        exchange: '',
-        routingKey: this.options.stream,
-      }).bytes;
+      const header = new ContentHeader(publish.properties);
+      data =
+        (publish.amqp10 && storedCopy(publish.amqp10, header, publish.idField !== undefined)) ??
+        encodeMessage(header, publish.content, { exchange: '', routingKey: this.options.stream }).bytes;
     } catch (error) {
       publish.refusal = `cannot be stored in a stream: ${(error as Error).message}`;
       answered('unpublishable');
@@ -763,4 +765,25 @@ export class StreamTarget implements TargetSide {
     this.out.clear();
     this.onFatal(error);
   }
+}
+
+/**
+ * A message read from a stream, written to this one as its source stored it: the same sections,
+ * byte for byte, but for the bridge's own headers in its application-properties (the route mark,
+ * and `_HQ_DUPL_ID` when the pipeline set it), as the 0-9-1 copy gets them. Undefined when one of
+ * them is not a string (an ID from an integer header, a flag): then the 0-9-1 mapping writes it.
+ */
+function storedCopy(stored: Buffer, header: ContentHeader, setsId: boolean): Buffer | undefined {
+  const set: [string, Buffer][] = [];
+  const names = setsId ? [DUPLICATE_ID_HEADER, ROUTE_HEADER] : [ROUTE_HEADER];
+  for (const name of names) {
+    const span = header.field(name);
+    if (span === undefined) return undefined;
+    const value = header.valueOf(span);
+    if (value.type !== 'S') return undefined;
+    set.push([name, value.value]);
+  }
+  if (header.field(IN_DOUBT_HEADER) !== undefined) return undefined;
+  // As a 0-9-1 copy: a flag or a source user an earlier hop (or a producer) left goes.
+  return replaceApplicationProperties(stored, [...names, IN_DOUBT_HEADER, SOURCE_USER_HEADER], set);
 }

@@ -8,6 +8,7 @@ declare module 'vitest' {
       sourceUrl: string;
       targetUrl: string;
       targetStreamUrl: string;
+      sourceStreamUrl: string;
       redisUrl: string;
       sourceManagementUrl: string;
       own: boolean;
@@ -25,6 +26,7 @@ export async function setup(project: TestProject): Promise<void> {
     sourceUrl: harness.sourceUrl,
     targetUrl: harness.targetUrl,
     targetStreamUrl: harness.targetStreamUrl,
+    sourceStreamUrl: harness.sourceStreamUrl,
     redisUrl: harness.redisUrl,
     sourceManagementUrl: harness.sourceManagementUrl,
     own: harness.own,

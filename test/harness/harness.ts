@@ -10,6 +10,8 @@ interface HarnessUrls {
    * derived from TARGET_URL (its credentials and vhost, port 5552, the stream plugin's default).
    */
   targetStreamUrl: string;
+  /** The source broker's stream endpoint (SOURCE_STREAM_URL, or derived from SOURCE_URL as above). */
+  sourceStreamUrl: string;
   redisUrl: string;
   /** The source broker's management API (SOURCE_MANAGEMENT_URL, or derived: port 15672). */
   sourceManagementUrl: string;
@@ -47,6 +49,7 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
       sourceUrl: SOURCE_URL,
       targetUrl: TARGET_URL,
       targetStreamUrl: process.env.TARGET_STREAM_URL ?? streamUrlOf(TARGET_URL),
+      sourceStreamUrl: process.env.SOURCE_STREAM_URL ?? streamUrlOf(SOURCE_URL),
       redisUrl: REDIS_URL,
       sourceManagementUrl: management,
       own: false,
@@ -58,9 +61,9 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
 
   cleanLeftovers();
   const runDir = newRunDir();
-  const source = new RabbitNode(runDir, 'source', { management: true });
-  // The target serves the stream protocol too, for the stream target's tests (a second or so more
-  // at start, where a node of its own would cost seven).
+  // Both serve the stream protocol too, for the stream source's and target's tests (a second or
+  // so more at start, where a node of its own would cost seven).
+  const source = new RabbitNode(runDir, 'source', { management: true, stream: true });
   const target = new RabbitNode(runDir, 'target', { stream: true });
   const redis = new RedisServer(runDir, 'redis', options.redisAppendonly ?? false);
   // Killed, not stopped: the servers and their folder are thrown away, and a graceful stop of the
@@ -85,6 +88,7 @@ export async function startHarness(options: { redisAppendonly?: boolean } = {}):
     sourceUrl: source.url,
     targetUrl: target.url,
     targetStreamUrl: target.streamUrl,
+    sourceStreamUrl: source.streamUrl,
     redisUrl: redis.url,
     sourceManagementUrl: source.managementUrl,
     own: true,

@@ -1,0 +1,562 @@
+import type { ConnectionOptions } from 'node:tls';
+import { backoffDelay, sleep, sleepUnlessStopped } from '../backoff.js';
+import { redactStreamUrl } from '../config/stream-url.js';
+import { tlsFailure } from '../config/tls.js';
+import {
+  type BridgeError,
+  ConfigError,
+  describe,
+  FatalConnectError,
+  RuntimeFailure,
+  StopRequested,
+  UnavailableError,
+} from '../errors.js';
+import type { Logger } from '../log.js';
+import type { Delivery, SourceSide } from '../ports.js';
+import { type ContentHeader, ContentHeaderError } from '../wire/properties.js';
+import { decodeMessage } from './amqp10-read.js';
+import {
+  type Chunk,
+  type OffsetSpec,
+  StreamAuthenticationError,
+  StreamClient,
+  type StreamConnectOptions,
+  StreamResponseError,
+} from './client.js';
+import { streamExists } from './streams.js';
+
+/** Where the route has read up to, kept across runs (src/dedup/position.ts). */
+export interface Position {
+  load(): Promise<bigint | undefined>;
+  save(next: bigint): Promise<bigint>;
+}
+
+export interface StreamSourceOptions {
+  /** rabbitmq-stream:// or rabbitmq-stream+tls:// */
+  url: string;
+  stream: string;
+  tls: ConnectionOptions | undefined;
+  /** Where a route with no stored position starts (--source-start). */
+  start: OffsetSpec;
+  /** Messages held at most, give or take one chunk: no more credit is granted past it. */
+  prefetch: number;
+  /** migrate: read up to the stream's end as it was at start, then stop. */
+  toEnd: boolean;
+  /** How long start waits for an endpoint that does not answer (--retry-for; 0: for ever). */
+  retryForMs: number;
+  stop: AbortSignal | undefined;
+}
+
+// The consuming subscription, and the one that looks at the stream's last chunk.
+const SUBSCRIPTION = 0;
+const PROBE = 1;
+/** Chunks asked for ahead while the pipeline has room. */
+const CREDIT_AHEAD = 2;
+/**
+ * How long the probe waits for the last chunk. RabbitMQ 3.10 sends a non-empty stream's last chunk
+ * at once and says nothing for an empty one (it has no command that tells a stream's end).
+ */
+const PROBE_WAIT_MS = 3000;
+/** How often a moved position is written to Redis while messages are settled. */
+const SAVE_EVERY_MS = 200;
+
+/** One message read from the stream, held until the pipeline settles it. */
+class StreamDelivery implements Delivery {
+  readonly fields: { routingKey: string; exchange: string; redelivered: boolean };
+  readonly properties: { messageId?: unknown };
+  settled = false;
+
+  constructor(
+    readonly offset: bigint,
+    readonly amqp10: Buffer,
+    readonly content: Buffer,
+    readonly header: ContentHeader | undefined,
+    readonly unreadable: string | undefined,
+    readonly exchange: Buffer,
+    readonly routingKey: Buffer,
+  ) {
+    this.fields = {
+      routingKey: routingKey.toString('utf8'),
+      exchange: exchange.toString('utf8'),
+      redelivered: false,
+    };
+    const messageId = header?.messageIdBytes;
+    this.properties = messageId === undefined ? {} : { messageId: messageId.toString('utf8') };
+  }
+}
+
+/** What a stream's last chunk says: where it starts and the offset after it. */
+interface Tail {
+  first: bigint;
+  end: bigint;
+}
+
+/**
+ * A RabbitMQ stream as source, over the stream protocol. Messages are delivered in offset order;
+ * the pipeline settles them in any order, and the route's position (the first offset not yet
+ * settled) goes to Redis only ever forward, so a restart reads again from a message that is not
+ * settled and never past one. What it reads again is a duplicate to the dedup cache. Acks are the
+ * bridge's own bookkeeping: a lost connection takes nothing back, and the reader continues after
+ * the last message it delivered.
+ */
+export class StreamSource implements SourceSide {
+  onFatal: (error: BridgeError) => void = () => {};
+  /** `<cluster>/<vhost>` of the source broker, once connected. */
+  identity: string | undefined;
+  readonly bytes = { held: 0, peak: 0, returned: 0 };
+
+  private client: StreamClient | undefined;
+  private down: number | undefined = Date.now();
+  private closed = false;
+  private consuming = false;
+  private onDelivery: ((delivery: Delivery) => void) | undefined;
+  /** Delivered and not yet past the position, in offset order, from `head` on. */
+  private readonly pending: StreamDelivery[] = [];
+  private head = 0;
+  /** The offset after the last message delivered; undefined before the first one. */
+  private nextOffset: bigint | undefined;
+  /** Where the first subscription starts when nothing was delivered yet. */
+  private from: OffsetSpec;
+  /** migrate: the offset after the last message to read. */
+  private end: bigint | undefined;
+  private held = 0;
+  private credits = 0;
+  private saved: bigint | undefined;
+  private saving: Promise<void> | undefined;
+  private saveTimer: NodeJS.Timeout | undefined;
+  private recovering: Promise<void> | undefined;
+  private readonly shown: string;
+
+  /** Set at start, once the stream's cluster is known (the position is named after it). */
+  private position: Position = {
+    load: async () => undefined,
+    save: async (next) => next,
+  };
+
+  constructor(
+    private readonly options: StreamSourceOptions,
+    private readonly log: Logger,
+  ) {
+    this.shown = redactStreamUrl(options.url);
+    this.from = options.start;
+  }
+
+  get where(): string {
+    return `source stream "${this.options.stream}" at ${this.shown}`;
+  }
+
+  get isUp(): boolean {
+    return this.down === undefined;
+  }
+
+  get downSince(): number | undefined {
+    return this.down;
+  }
+
+  /**
+   * Connects (a wrong password, vhost or stream is the user's error), reads the route's position
+   * and, where it must, the stream's end: migrate reads up to it; `next` and `last` become the
+   * offsets they name now, stored at once, so that a restart does not skip what came meanwhile.
+   */
+  async start(positionFor: (source: string) => Position): Promise<void> {
+    const client = await this.firstConnect();
+    if (!(await streamExists(client, this.options.stream))) {
+      await client.close();
+      throw new FatalConnectError(
+        `--source-stream: stream "${this.options.stream}" does not exist on the source stream endpoint at ${this.shown}; check the name and the URL's vhost`,
+      );
+    }
+    const cluster = client.serverProperties.cluster_name ?? `${client.endpoint.host}:${client.endpoint.port}`;
+    this.identity = `${cluster}/${client.endpoint.vhost}`;
+    this.position = positionFor(`${this.identity}/${this.options.stream}`);
+    try {
+      const stored = await this.position.load();
+      const needsTail =
+        this.options.toEnd || stored !== undefined || this.from === 'next' || this.from === 'last';
+      const tail = needsTail ? await this.tail(client) : undefined;
+      if (stored !== undefined) {
+        const end = tail?.end ?? 0n;
+        if (end < stored) {
+          throw new ConfigError(
+            `${this.where} ends at offset ${end}, but this route has read it up to offset ${stored}: the stream was deleted and created again (or it did not answer within ${PROBE_WAIT_MS / 1000}s); its new messages would take the old ones' IDs, so nothing is read: forward it under a new --scope`,
+          );
+        }
+        this.from = { offset: stored };
+        this.saved = stored;
+      } else if (this.from === 'next' || this.from === 'last') {
+        const at = tail === undefined ? 0n : this.from === 'next' ? tail.end : tail.first;
+        this.from = { offset: at };
+        this.saved = await this.position.save(at);
+      }
+      if (this.options.toEnd) this.end = tail?.end ?? 0n;
+    } catch (error) {
+      await client.close();
+      throw error;
+    }
+    this.attach(client);
+    this.saveTimer = setInterval(() => void this.save(), SAVE_EVERY_MS);
+    this.log.info(
+      {
+        stream: this.options.stream,
+        from: describeSpec(this.from),
+        ...(this.end === undefined ? {} : { to: String(this.end) }),
+      },
+      'reading the source stream',
+    );
+  }
+
+  // ---- Source ------------------------------------------------------------------------------------
+
+  async consume(onDelivery: (delivery: Delivery) => void): Promise<void> {
+    this.onDelivery = onDelivery;
+    this.consuming = true;
+    if (this.client) await this.subscribe(this.client);
+  }
+
+  async stopConsuming(): Promise<void> {
+    if (!this.consuming) return;
+    this.consuming = false;
+    const client = this.client;
+    if (client?.isOpen) await client.unsubscribe(SUBSCRIPTION).catch(() => {});
+  }
+
+  headerOf(delivery: Delivery): ContentHeader {
+    const message = delivery as StreamDelivery;
+    if (message.header === undefined) throw new ContentHeaderError(message.unreadable ?? 'unreadable');
+    return message.header;
+  }
+
+  routingOf(delivery: Delivery): { exchange: Buffer; routingKey: Buffer } {
+    const message = delivery as StreamDelivery;
+    return { exchange: message.exchange, routingKey: message.routingKey };
+  }
+
+  positionOf(delivery: Delivery): string {
+    return `${this.identity}/${this.options.stream}@${(delivery as StreamDelivery).offset}`;
+  }
+
+  ack(delivery: Delivery): boolean {
+    const message = delivery as StreamDelivery;
+    if (message.settled) return false;
+    message.settled = true;
+    this.release(message);
+    // The position moves past every settled message at its head.
+    while (this.head < this.pending.length && (this.pending[this.head] as StreamDelivery).settled)
+      this.head++;
+    if (this.head > 1024 && this.head * 2 > this.pending.length) {
+      this.pending.splice(0, this.head);
+      this.head = 0;
+    }
+    return true;
+  }
+
+  /** Not settled: the position stays at or before it, so the next run reads it again. */
+  requeue(delivery: Delivery): boolean {
+    const message = delivery as StreamDelivery;
+    if (message.settled) return false;
+    this.release(message);
+    return true;
+  }
+
+  /** A stream has no dead-lettering (the settings refuse the policy): kept, as a requeue. */
+  deadLetter(delivery: Delivery): boolean {
+    return this.requeue(delivery);
+  }
+
+  async park(): Promise<boolean> {
+    return false;
+  }
+
+  /** Always, until settled: the broker takes nothing back from a stream reader. */
+  holds(delivery: Delivery): boolean {
+    return !(delivery as StreamDelivery).settled;
+  }
+
+  // ---- SourceSide --------------------------------------------------------------------------------
+
+  /** migrate: messages not yet delivered up to the end; run follows the stream: unknown. */
+  async depth(): Promise<number | undefined> {
+    if (this.end === undefined) return undefined;
+    const next =
+      this.nextOffset ?? (typeof this.from === 'object' && 'offset' in this.from ? this.from.offset : 0n);
+    return Number(this.end > next ? this.end - next : 0n);
+  }
+
+  consumption(): { consuming: boolean; paused: boolean } {
+    return { consuming: this.consuming && this.client !== undefined, paused: false };
+  }
+
+  /** The position: the first offset not settled, or the one after the last delivered. */
+  get positionNow(): bigint | undefined {
+    const first = this.pending[this.head];
+    if (first !== undefined) return first.offset;
+    return (
+      this.nextOffset ??
+      (typeof this.from === 'object' && 'offset' in this.from ? this.from.offset : undefined)
+    );
+  }
+
+  async closeConsumer(): Promise<void> {
+    await this.stopConsuming();
+    if (this.saveTimer) clearInterval(this.saveTimer);
+    this.saveTimer = undefined;
+    // The last settlements: a few tries, then the next run reads those messages again.
+    for (let attempt = 1; attempt <= 5; attempt++) {
+      await this.save();
+      const now = this.positionNow;
+      if (now === undefined || (this.saved !== undefined && this.saved >= now)) return;
+      await sleep(backoffDelay(attempt, 50, 500));
+    }
+  }
+
+  async close(): Promise<void> {
+    await this.closeConsumer();
+    this.closed = true;
+    const client = this.client;
+    this.client = undefined;
+    await client?.close();
+  }
+
+  // ---- reading -----------------------------------------------------------------------------------
+
+  private release(message: StreamDelivery): void {
+    this.held--;
+    this.bytes.held -= message.content.length;
+    this.topUp();
+  }
+
+  private async subscribe(client: StreamClient): Promise<void> {
+    if (this.reachedEnd) return;
+    const from: OffsetSpec = this.nextOffset === undefined ? this.from : { offset: this.nextOffset };
+    this.credits = CREDIT_AHEAD;
+    await client.subscribe(SUBSCRIPTION, this.options.stream, from, CREDIT_AHEAD, { manualCredit: true });
+  }
+
+  private get reachedEnd(): boolean {
+    return this.end !== undefined && (this.nextOffset ?? this.startOffset) >= this.end;
+  }
+
+  private get startOffset(): bigint {
+    return typeof this.from === 'object' && 'offset' in this.from ? this.from.offset : 0n;
+  }
+
+  /** Asks for more chunks while the pipeline holds fewer than the prefetch. */
+  private topUp(): void {
+    const client = this.client;
+    if (!client || !this.consuming || this.reachedEnd) return;
+    if (this.held < this.options.prefetch && this.credits < CREDIT_AHEAD) {
+      client.credit(SUBSCRIPTION, CREDIT_AHEAD - this.credits);
+      this.credits = CREDIT_AHEAD;
+    }
+  }
+
+  private onChunk(chunk: Chunk): void {
+    this.credits = Math.max(0, this.credits - 1);
+    if (!this.consuming || !this.onDelivery) return;
+    for (const stored of chunk.messages) {
+      // A chunk starts where the broker found it: messages before the one asked for come again.
+      if (this.nextOffset !== undefined ? stored.offset < this.nextOffset : stored.offset < this.startOffset)
+        continue;
+      if (this.end !== undefined && stored.offset >= this.end) break;
+      const message = this.read(stored.offset, stored.data);
+      this.nextOffset = stored.offset + 1n;
+      this.pending.push(message);
+      this.held++;
+      this.bytes.held += message.content.length;
+      if (this.bytes.held > this.bytes.peak) this.bytes.peak = this.bytes.held;
+      this.onDelivery(message);
+    }
+    if (this.reachedEnd) {
+      const client = this.client;
+      if (client?.isOpen) void client.unsubscribe(SUBSCRIPTION).catch(() => {});
+      return;
+    }
+    this.topUp();
+  }
+
+  private read(offset: bigint, data: Buffer): StreamDelivery {
+    try {
+      const decoded = decodeMessage(data);
+      return new StreamDelivery(
+        offset,
+        data,
+        decoded.body,
+        decoded.header,
+        undefined,
+        decoded.exchange,
+        decoded.routingKey,
+      );
+    } catch (error) {
+      const why = `stream message at offset ${offset}: ${(error as Error).message}`;
+      return new StreamDelivery(offset, data, data, undefined, why, Buffer.alloc(0), Buffer.alloc(0));
+    }
+  }
+
+  /** Writes the position when it moved; one write at a time. */
+  private save(): Promise<void> {
+    if (this.saving) return this.saving;
+    const now = this.positionNow;
+    if (now === undefined || (this.saved !== undefined && now <= this.saved)) return Promise.resolve();
+    this.saving = this.position
+      .save(now)
+      .then(
+        (kept) => {
+          this.saved = kept;
+        },
+        (error: unknown) => {
+          this.log.warn(
+            { error: describe(error) },
+            `${this.where}: storing the read position failed; retrying`,
+          );
+        },
+      )
+      .finally(() => {
+        this.saving = undefined;
+      });
+    return this.saving;
+  }
+
+  /**
+   * The stream's last chunk, through a subscription of its own at `last`; undefined when none came
+   * within the probe's wait (an empty stream).
+   */
+  private async tail(client: StreamClient): Promise<Tail | undefined> {
+    let onChunk: ((id: number, chunk: Chunk) => void) | undefined;
+    try {
+      const found = new Promise<Tail | undefined>((resolve) => {
+        const timer = setTimeout(() => resolve(undefined), PROBE_WAIT_MS);
+        onChunk = (id, chunk) => {
+          if (id !== PROBE) return;
+          clearTimeout(timer);
+          resolve({ first: chunk.firstOffset, end: chunk.firstOffset + BigInt(chunk.numRecords) });
+        };
+        client.on('chunk', onChunk);
+      });
+      await client.subscribe(PROBE, this.options.stream, 'last', 1, { manualCredit: true });
+      return await found;
+    } finally {
+      if (onChunk) client.off('chunk', onChunk);
+      if (client.isOpen) await client.unsubscribe(PROBE).catch(() => {});
+    }
+  }
+
+  // ---- the connection ----------------------------------------------------------------------------
+
+  private connectOptions(): StreamConnectOptions {
+    return {
+      url: this.options.url,
+      tls: this.options.tls,
+      connectionName: `dedup-bridge source ${this.options.stream}`,
+    };
+  }
+
+  private async firstConnect(): Promise<StreamClient> {
+    const started = Date.now();
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await StreamClient.connect(this.connectOptions());
+      } catch (error) {
+        const refused = this.startError(error);
+        if (!(refused instanceof RuntimeFailure)) throw refused;
+        const waited = Date.now() - started;
+        if (this.options.retryForMs > 0 && waited >= this.options.retryForMs) {
+          throw new UnavailableError(
+            `${this.where} did not answer for ${Math.round(waited / 1000)}s (${describe(error)}), past --retry-for; nothing was moved`,
+          );
+        }
+        this.log.warn({ attempt, error: describe(error) }, `${this.where} not reachable; retrying`);
+        await sleepUnlessStopped(backoffDelay(attempt, 200, 5000), this.options.stop);
+        if (this.options.stop?.aborted) throw new StopRequested(this.where);
+      }
+    }
+  }
+
+  private startError(error: unknown): BridgeError {
+    if (error instanceof StreamAuthenticationError) {
+      return new ConfigError(
+        `${this.shown}: the broker refused the user name or password (${error.codeName})`,
+      );
+    }
+    if (error instanceof StreamResponseError && error.codeName === 'ACCESS_REFUSED') {
+      return new ConfigError(
+        `${this.where}: ${error.codeName}; grant the user read permission on the stream`,
+      );
+    }
+    if (error instanceof StreamResponseError && error.codeName === 'VIRTUAL_HOST_ACCESS_FAILURE') {
+      return new ConfigError(
+        `${this.shown}: no access to the vhost (${error.codeName}); check the URL's vhost and the user's permissions`,
+      );
+    }
+    const tlsProblem = tlsFailure(error, 'source');
+    if (tlsProblem !== undefined) return new FatalConnectError(`${this.where}: ${tlsProblem}`);
+    return new RuntimeFailure(`${this.where} unreachable: ${describe(error)}`);
+  }
+
+  private attach(client: StreamClient): void {
+    client.on('chunk', (id, chunk) => {
+      if (id === SUBSCRIPTION && client === this.client) this.onChunk(chunk);
+    });
+    client.on('metadata-update', (stream) => {
+      if (stream === this.options.stream && client === this.client) {
+        this.lost(client, `the broker says stream "${stream}" changed (its leader moved, or it was deleted)`);
+      }
+    });
+    client.on('close', (error) => {
+      if (client === this.client) this.lost(client, `connection lost: ${error ? describe(error) : 'closed'}`);
+    });
+    this.client = client;
+    this.down = undefined;
+  }
+
+  private lost(client: StreamClient, reason: string): void {
+    if (this.client !== client) return;
+    this.client = undefined;
+    client.destroy();
+    if (this.closed) return;
+    this.down ??= Date.now();
+    if (this.recovering) return;
+    this.log.warn({ reason }, `${this.where}: reconnecting`);
+    this.recovering = this.reconnect().finally(() => {
+      this.recovering = undefined;
+    });
+  }
+
+  /** Connects again and reads on after the last message delivered (what is held stays held). */
+  private async reconnect(): Promise<void> {
+    for (let attempt = 1; !this.closed; attempt++) {
+      await sleepUnlessStopped(backoffDelay(attempt, 100, 5000), this.options.stop);
+      if (this.closed || this.options.stop?.aborted) return;
+      let client: StreamClient | undefined;
+      try {
+        client = await StreamClient.connect(this.connectOptions());
+        if (!(await streamExists(client, this.options.stream))) {
+          await client.close();
+          this.onFatal(
+            new RuntimeFailure(`${this.where}: the stream no longer exists; nothing unforwarded was settled`),
+          );
+          return;
+        }
+        this.attach(client);
+        if (this.consuming) await this.subscribe(client);
+        this.log.info({ attempt }, `${this.where}: reconnected`);
+        return;
+      } catch (error) {
+        if (client && this.client === client) this.client = undefined;
+        client?.destroy();
+        if (error instanceof StreamResponseError && error.codeName === 'ACCESS_REFUSED') {
+          this.onFatal(new RuntimeFailure(`${this.where}: ${error.message}`));
+          return;
+        }
+        this.down ??= Date.now();
+        this.log.warn({ attempt, error: describe(error) }, `${this.where}: reconnect failed; retrying`);
+      }
+    }
+  }
+}
+
+function describeSpec(spec: OffsetSpec): string {
+  if (typeof spec === 'string') return spec;
+  return 'offset' in spec
+    ? `offset ${spec.offset}`
+    : `timestamp ${new Date(Number(spec.timestamp)).toISOString()}`;
+}

@@ -1,0 +1,437 @@
+import { describe, expect, it } from 'vitest';
+import { connectAmqp } from '../../src/amqp/connect.js';
+import { publishRaw } from '../../src/amqp/internals.js';
+import { createLogger } from '../../src/observe/log.js';
+import { StreamClient } from '../../src/stream/client.js';
+import { ContentHeader } from '../../src/wire/properties.js';
+import {
+  declareQueue,
+  depthOf,
+  migrateWithReport,
+  type RunningCli,
+  runCli,
+  servers,
+  startCli,
+  takeRaw,
+  uniqueName,
+  waitFor,
+} from '../helpers.js';
+import { countStored, DEDUP_ID, offenders, read091, readStored, type Stored } from '../stream-helpers.js';
+import { basicProperties, everyScalarField, field, longString, table } from '../wire.js';
+
+// A RabbitMQ stream as source (issue 31), read over the stream protocol from the harness's source
+// node into the target node's streams and queues: another cluster, as a user replicates one. The
+// source messages are written byte by byte (AMQP 1.0 sections built here, as a Java or Python
+// stream client writes them) and over 0-9-1 (RabbitMQ's own mapping).
+
+const log = createLogger('silent');
+const ROUTE = 'x-dedup-route';
+
+// ---- AMQP 1.0 by hand ------------------------------------------------------------------------
+
+function str8(code: number, text: string | Buffer): Buffer {
+  const bytes = Buffer.isBuffer(text) ? text : Buffer.from(text, 'utf8');
+  if (bytes.length > 255) throw new Error('short forms only here');
+  return Buffer.concat([Buffer.from([code, bytes.length]), bytes]);
+}
+const utf8 = (text: string) => str8(0xa1, text);
+const symbol = (text: string) => str8(0xa3, text);
+
+function map8(pairs: Buffer[][]): Buffer {
+  const body = Buffer.concat(pairs.flat());
+  return Buffer.concat([Buffer.from([0xc1, body.length + 1, pairs.length * 2]), body]);
+}
+
+function section(descriptor: number, value: Buffer): Buffer {
+  return Buffer.concat([Buffer.from([0x00, 0x53, descriptor]), value]);
+}
+
+/** A message as a stream client writes it: message-id, application-properties, one data section. */
+function streamMessage(n: number, options: { messageId?: string; body?: string } = {}): Buffer {
+  const long = Buffer.alloc(9);
+  long[0] = 0x81;
+  long.writeBigInt64BE(BigInt(n) * 1_000_003n, 1);
+  const properties = Buffer.concat([
+    Buffer.from([0xc0]),
+    // list8: size, count, then message-id and the rest null
+    (() => {
+      const items = Buffer.concat([
+        options.messageId === undefined ? Buffer.from([0x40]) : utf8(options.messageId),
+        Buffer.from([0x40, 0x40, 0x40]), // user-id, to, subject
+        Buffer.from([0x40, 0x40]), // reply-to, correlation-id
+        symbol('text/plain'),
+      ]);
+      return Buffer.concat([Buffer.from([items.length + 1, 7]), items]);
+    })(),
+  ]);
+  const applicationProperties = map8([
+    [utf8('n'), utf8(String(n))],
+    [utf8('big'), long],
+    [utf8('kind'), symbol('stream-written')],
+  ]);
+  const data = Buffer.from(options.body ?? `body ${n}`);
+  return Buffer.concat([
+    section(0x73, properties),
+    section(0x74, applicationProperties),
+    section(0x75, Buffer.concat([Buffer.from([0xb0]), u32(data.length), data])),
+  ]);
+}
+
+function u32(n: number): Buffer {
+  const out = Buffer.alloc(4);
+  out.writeUInt32BE(n, 0);
+  return out;
+}
+
+/** The sections of a stored message, as [descriptor, bytes]. */
+function sectionsOf(stored: Stored): Map<number, Buffer> {
+  const out = new Map<number, Buffer>();
+  const raw = stored.raw;
+  let at = 0;
+  // Each section: 0x00 0x53 descriptor, then one value; the next section starts where the reader's
+  // walk of the decoded message put it (readStored checked the layout already).
+  const starts: number[] = [];
+  while (at < raw.length) {
+    starts.push(at);
+    at = nextSection(raw, at);
+  }
+  starts.forEach((start, index) => {
+    out.set(raw[start + 2] as number, raw.subarray(start, starts[index + 1] ?? raw.length));
+  });
+  return out;
+}
+
+function nextSection(raw: Buffer, at: number): number {
+  const code = raw[at + 3] as number;
+  const v = at + 3;
+  switch (code >> 4) {
+    case 0x4:
+      return v + 1;
+    case 0x5:
+      return v + 2;
+    case 0x7:
+      return v + 5;
+    case 0x8:
+      return v + 9;
+    case 0xa:
+    case 0xc:
+    case 0xe:
+      return v + 2 + (raw[v + 1] as number);
+    case 0xb:
+    case 0xd:
+    case 0xf:
+      return v + 5 + raw.readUInt32BE(v + 1);
+    default:
+      throw new Error(`section value 0x${code.toString(16)}`);
+  }
+}
+
+// ---- streams ---------------------------------------------------------------------------------
+
+async function createStream(url: string, name: string): Promise<void> {
+  const client = await StreamClient.connect({ url, connectionName: 'test' });
+  try {
+    await client.create(name);
+  } finally {
+    await client.close();
+  }
+}
+
+/** Writes messages over the stream protocol, waiting for every confirm. */
+async function writeStream(url: string, stream: string, messages: readonly Buffer[]): Promise<void> {
+  const client = await StreamClient.connect({ url, connectionName: 'test writer' });
+  try {
+    // A name of its own per call: its publishing IDs start at 1 each time.
+    await client.declarePublisher(7, uniqueName('writer'), stream);
+    const confirmed = new Promise<void>((resolve) => {
+      let left = messages.length;
+      client.on('confirm', (_id, ids) => {
+        left -= ids.length;
+        if (left <= 0) resolve();
+      });
+    });
+    for (let i = 0; i < messages.length; i += 100) {
+      client.publish(
+        7,
+        messages.slice(i, i + 100).map((data, k) => ({ publishingId: BigInt(i + k + 1), data })),
+      );
+    }
+    await confirmed;
+  } finally {
+    await client.close();
+  }
+}
+
+/** Publishes 0-9-1 content headers (built byte by byte) into a stream queue of the source node. */
+async function publish091(queue: string, messages: { header: Buffer; body: Buffer }[]): Promise<void> {
+  const connection = await connectAmqp(servers().sourceUrl, { side: 'source', retryForMs: 5000, log });
+  try {
+    const channel = await connection.createConfirmChannel();
+    for (const message of messages) publishRaw(channel, '', queue, message.header, message.body, () => {});
+    await channel.waitForConfirms();
+  } finally {
+    await connection.close();
+  }
+}
+
+function streamArgs(command: 'run' | 'migrate', stream: string, target: string[], ...extra: string[]) {
+  const { sourceStreamUrl, redisUrl } = servers();
+  return [
+    command,
+    '--source',
+    sourceStreamUrl,
+    '--source-stream',
+    stream,
+    ...target,
+    '--redis',
+    redisUrl,
+    ...(command === 'migrate' ? ['--idle-timeout', '300ms'] : []),
+    ...extra,
+  ];
+}
+
+const toStream = (stream: string) => ['--target', servers().targetStreamUrl, '--target-stream', stream];
+const toQueue = (queue: string) => ['--target', servers().targetUrl, '--target-queue', queue];
+
+/**
+ * Expects the target stream to equal the source stream message for message, in order: every
+ * section byte for byte but the application-properties, which hold the source's entries in order
+ * and then the bridge's two (the route mark, and `_HQ_DUPL_ID` naming the source offset).
+ */
+function expectReplica(label: string, source: Stored[], target: Stored[], sourceName: string): void {
+  const ids = source.map((message) => `@${message.offset}`);
+  const found = target.map((message) => (message.id ?? '').replace(/^.*\//, '').replace(sourceName, ''));
+  let outOfOrder = 0;
+  let differ = 0;
+  target.forEach((copy, index) => {
+    const original = source[index];
+    if (original === undefined || found[index] !== ids[index]) {
+      outOfOrder++;
+      return;
+    }
+    const a = sectionsOf(original);
+    const b = sectionsOf(copy);
+    for (const [descriptor, bytes] of a) {
+      if (descriptor === 0x74) continue;
+      if (!bytes.equals(b.get(descriptor) ?? Buffer.alloc(0))) differ++;
+    }
+    const own = copy.applicationProperties.filter((entry) => entry.key !== ROUTE && entry.key !== DEDUP_ID);
+    const keys = (entries: Stored['applicationProperties']) =>
+      entries.map((entry) => `${entry.key}=${entry.code}:${entry.value.toString('hex')}`);
+    if (keys(own).join() !== keys(original.applicationProperties).join()) differ++;
+    if (!copy.applicationProperties.some((entry) => entry.key === ROUTE)) differ++;
+  });
+  const count = countStored(
+    label,
+    ids,
+    target.map((message, index) => ({ ...message, id: found[index] })),
+  );
+  process.stdout.write(
+    `replica ${label}: ${target.length} of ${source.length}, ${outOfOrder} out of order, ${differ} differ\n`,
+  );
+  expect({ ...count, outOfOrder, differ }, offenders(ids, target)).toEqual({
+    expected: source.length,
+    stored: source.length,
+    lost: 0,
+    duplicated: 0,
+    unexpected: 0,
+    flagged: 0,
+    outOfOrder: 0,
+    differ: 0,
+  });
+}
+
+describe('a stream as source', () => {
+  it('migrate copies a stream into another cluster message for message, in order; a re-run copies only what is new', async () => {
+    const { sourceStreamUrl, targetStreamUrl } = servers();
+    const source = uniqueName('src-stream');
+    const target = uniqueName('dst-stream');
+    await createStream(sourceStreamUrl, source);
+    await createStream(targetStreamUrl, target);
+    // 10 entries share one message-id: a stream keeps each, and so must its replica.
+    const written = Array.from({ length: 600 }, (_, n) =>
+      streamMessage(n, { messageId: n % 60 === 0 ? 'same-id' : `m-${n}` }),
+    );
+    await writeStream(sourceStreamUrl, source, written);
+    await publish091(
+      source,
+      Array.from({ length: 100 }, (_, n) => ({
+        header: basicProperties({ messageId: `amqp-${n}`, headers: table(...everyScalarField()) }),
+        body: Buffer.from(`0-9-1 ${n}`),
+      })),
+    );
+
+    const first = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
+    expect(first.code, first.stderr).toBe(0);
+    expect(first.report, JSON.stringify(first.report)).toMatchObject({ forwarded: 700, inDoubt: 0 });
+    const sourceAll = await readStored(sourceStreamUrl, source, { count: 700 });
+    expectReplica('first run', sourceAll, await readStored(targetStreamUrl, target, { count: 700 }), source);
+
+    const again = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
+    expect(again.code, again.stderr).toBe(0);
+    expect(again.report, JSON.stringify(again.report)).toMatchObject({ forwarded: 0, duplicates: 0 });
+
+    await writeStream(
+      sourceStreamUrl,
+      source,
+      Array.from({ length: 50 }, (_, n) => streamMessage(1000 + n)),
+    );
+    const third = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
+    expect(third.code, third.stderr).toBe(0);
+    expect(third.report, JSON.stringify(third.report)).toMatchObject({ forwarded: 50, duplicates: 0 });
+    expectReplica(
+      'after a re-run',
+      await readStored(sourceStreamUrl, source, { count: 750 }),
+      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
+      source,
+    );
+  });
+
+  it('run into a queue: what arrives is what a 0-9-1 consumer of the source stream receives, plus the marks; a restart forwards nothing twice', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('src-stream');
+    const queue = uniqueName('dst-queue');
+    await declareQueue(sourceUrl, source, { arguments: { 'x-queue-type': 'stream' } });
+    await declareQueue(targetUrl, queue);
+    const sent091 = Array.from({ length: 40 }, (_, n) => ({
+      header: basicProperties({
+        contentType: 'application/json',
+        deliveryMode: 2,
+        priority: 3,
+        correlationId: `c-${n}`,
+        messageId: `amqp-${n}`,
+        timestamp: 1_700_000_000n + BigInt(n),
+        type: 'order',
+        appId: 'shop',
+        headers: table(field('n', longString(String(n))), ...everyScalarField()),
+      }),
+      body: Buffer.from(`{"n":${n}}`),
+    }));
+    await publish091(source, sent091);
+    await writeStream(
+      servers().sourceStreamUrl,
+      source,
+      Array.from({ length: 60 }, (_, n) => streamMessage(n)),
+    );
+
+    let bridge: RunningCli = startCli(streamArgs('run', source, toQueue(queue)));
+    expect(await waitFor(async () => (await depthOf(targetUrl, queue)) >= 100, 30_000), bridge.output()).toBe(
+      true,
+    );
+    bridge.signal('SIGTERM');
+    expect((await bridge.done).code, bridge.output()).toBe(0);
+
+    // A restart reads on from the stored position: nothing is forwarded again.
+    bridge = startCli(streamArgs('run', source, toQueue(queue)));
+    await publish091(source, [{ header: basicProperties({ messageId: 'late' }), body: Buffer.from('late') }]);
+    expect(await waitFor(async () => (await depthOf(targetUrl, queue)) >= 101, 30_000), bridge.output()).toBe(
+      true,
+    );
+    bridge.signal('SIGTERM');
+    expect((await bridge.done).code, bridge.output()).toBe(0);
+
+    const arrived = await takeRaw(targetUrl, queue);
+    const direct = await read091(sourceUrl, source, 101);
+    const expectedIds = direct.map((message) => `@${message.offset}`);
+    const ids = arrived.map((message) => message.id.replace(/^.*@/, '@'));
+    const seen = new Map<string, number>();
+    for (const id of ids) seen.set(id, (seen.get(id) ?? 0) + 1);
+    const lost = expectedIds.filter((id) => !seen.has(id)).length;
+    const duplicated = [...seen.values()].reduce((sum, times) => sum + times - 1, 0);
+    const unexpected = ids.filter((id) => !expectedIds.includes(id)).length;
+    let differ = 0;
+    const strip = (header: Buffer) =>
+      new ContentHeader(header).splice({
+        remove: [ROUTE, DEDUP_ID, 'x-stream-offset'],
+        append: [],
+        dropUserId: false,
+      });
+    for (const copy of arrived) {
+      const original = direct.find((message) => `@${message.offset}` === copy.id.replace(/^.*@/, '@'));
+      if (!original || !strip(copy.header).equals(strip(original.header)) || !copy.body.equals(original.body))
+        differ++;
+    }
+    process.stdout.write(
+      `delivery stream->queue: expected ${expectedIds.length} · received ${arrived.length} · lost ${lost} · duplicated ${duplicated} · unexpected ${unexpected} · differ ${differ}\n`,
+    );
+    expect({ lost, duplicated, unexpected, differ, received: arrived.length }).toEqual({
+      lost: 0,
+      duplicated: 0,
+      unexpected: 0,
+      differ: 0,
+      received: 101,
+    });
+  });
+
+  it('the position never passes a message that is not forwarded: an unroutable one holds it, and the next run goes on from it', async () => {
+    const { sourceStreamUrl, targetUrl } = servers();
+    const source = uniqueName('src-stream');
+    const exchange = uniqueName('dst-exchange');
+    const queue = uniqueName('dst-queue');
+    await createStream(sourceStreamUrl, source);
+    const connection = await connectAmqp(targetUrl, { side: 'target', retryForMs: 5000, log });
+    const channel = await connection.createChannel();
+    await channel.assertExchange(exchange, 'direct', { durable: false, autoDelete: false });
+    await channel.assertQueue(queue, { durable: false });
+    await channel.bindQueue(queue, exchange, 'a');
+    try {
+      // Offsets 0-49 go to key a, 50 to key b (bound to nothing yet), 51-99 to key a again.
+      const keyOf = (n: number) => (n === 50 ? 'b' : 'a');
+      await publish091Keys(
+        source,
+        Array.from({ length: 100 }, (_, n) => keyOf(n)),
+      );
+      const target = ['--target', targetUrl, '--target-exchange', exchange];
+      const stalled = await migrateWithReport(streamArgs('migrate', source, target, '--retry-for', '2s'));
+      expect(stalled.code, stalled.stderr).toBe(1);
+      // The one unroutable message was tried, held and tried again (each try is counted).
+      expect(stalled.report, JSON.stringify(stalled.report)).toMatchObject({ forwarded: 99, consumed: 100 });
+      expect(stalled.stderr).toMatch(/1 message\(s\) could not be forwarded/);
+      expect(await depthOf(targetUrl, queue)).toBe(99);
+
+      await channel.bindQueue(queue, exchange, 'b');
+      const next = await migrateWithReport(streamArgs('migrate', source, target));
+      expect(next.code, next.stderr).toBe(0);
+      // Read again from offset 50: the one message, and 49 duplicates of what went before.
+      expect(next.report, JSON.stringify(next.report)).toMatchObject({ forwarded: 1, duplicates: 49 });
+      const arrived = await takeRaw(targetUrl, queue);
+      const ids = new Set(arrived.map((message) => message.id.replace(/^.*@/, '@')));
+      expect({ received: arrived.length, distinct: ids.size }).toEqual({ received: 100, distinct: 100 });
+    } finally {
+      await connection.close();
+    }
+  });
+
+  it('a missing source stream is one line and exit 2; nothing moves', async () => {
+    const queue = uniqueName('q');
+    await declareQueue(servers().targetUrl, queue);
+    const result = await runCli(streamArgs('migrate', uniqueName('no-such-stream'), toQueue(queue)));
+    expect(result.code, result.stderr).toBe(2);
+    expect(result.stderr).toMatch(/--source-stream: stream "t-no-such-stream-[0-9a-f]+" does not exist/);
+    expect(result.stderr).not.toMatch(/\n\s+at /);
+  });
+});
+
+/** Publishes into a stream over 0-9-1, one message per routing key, each with the routing key given. */
+async function publish091Keys(stream: string, keys: string[]): Promise<void> {
+  const connection = await connectAmqp(servers().sourceUrl, { side: 'source', retryForMs: 5000, log });
+  try {
+    const channel = await connection.createConfirmChannel();
+    const exchange = `${stream}-in`;
+    await channel.assertExchange(exchange, 'direct', { durable: false, autoDelete: true });
+    for (const key of new Set(keys)) await channel.bindQueue(stream, exchange, key);
+    for (const [n, key] of keys.entries()) {
+      publishRaw(
+        channel,
+        exchange,
+        key,
+        basicProperties({ messageId: `k-${n}` }),
+        Buffer.from(`n ${n}`),
+        () => {},
+      );
+    }
+    await channel.waitForConfirms();
+  } finally {
+    await connection.close();
+  }
+}
