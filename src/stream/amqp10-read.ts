@@ -24,7 +24,7 @@ export class UndecodableError extends Error {
 export interface DecodedMessage {
   header: ContentHeader;
   body: Buffer;
-  /** As the 0-9-1 publish named them (message annotations x-exchange and x-routing-key); '' when none. */
+  /** As the 0-9-1 publish named them (message annotations x-exchange and x-routing-key). */
   exchange: Buffer;
   routingKey: Buffer;
 }
@@ -229,14 +229,18 @@ function shortstr(value: Buffer): Buffer {
   return Buffer.concat([Buffer.from([value.length]), value]);
 }
 
-export function decodeMessage(data: Buffer): DecodedMessage {
+/**
+ * `stream`: the routing key of a message that names none (one a stream client wrote), as RabbitMQ
+ * delivers it over 0-9-1: the stream's name, through the default exchange.
+ */
+export function decodeMessage(data: Buffer, stream: string): DecodedMessage {
   const props: Partial<Record<string, Buffer>> = {};
   const fields: Field[] = [];
   let deliveryMode: number | undefined;
   let priority: number | undefined;
   let timestamp: bigint | undefined;
   let exchange = Buffer.alloc(0);
-  let routingKey = Buffer.alloc(0);
+  let routingKey = Buffer.from(stream, 'utf8');
   const body: Buffer[] = [];
   let bodyKind: 'none' | 'data' | 'other' = 'none';
   for (const { descriptor, value: inner } of sectionsOf(data)) {

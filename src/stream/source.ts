@@ -376,7 +376,7 @@ export class StreamSource implements SourceSide {
 
   private read(offset: bigint, data: Buffer): StreamDelivery {
     try {
-      const decoded = decodeMessage(data);
+      const decoded = decodeMessage(data, this.options.stream);
       return new StreamDelivery(
         offset,
         data,
