@@ -1,13 +1,12 @@
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../log.js';
-import type { OffsetSpec } from '../stream/client.js';
 import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
 import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from './id-from.js';
 import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
 import { parseSize } from './size.js';
-import { isStreamUrl, parseStreamUrl } from './stream-url.js';
+import { isStreamUrl, parseStreamUrl, type StreamStart } from './stream-url.js';
 import { resolveTlsSettings, type TlsRawOptions, type TlsSettings } from './tls.js';
 
 /**
@@ -110,7 +109,7 @@ export interface BridgeSettings {
   /** The stream a rabbitmq-stream:// source reads; undefined for a queue source. */
   sourceStream?: string | undefined;
   /** Where a stream source route with no stored position starts (--source-start). */
-  sourceStart: OffsetSpec;
+  sourceStart: StreamStart;
   /** The first of targetUrls. */
   targetUrl: string;
   /** The nodes of the target cluster; for a stream target (rabbitmq-stream://), its one URL. */
@@ -756,7 +755,7 @@ function sameBroker(a: string, b: string): boolean {
 }
 
 /** --source-start: first, last, next, an offset, or an ISO 8601 time with its zone. */
-function parseStart(text: string): OffsetSpec {
+function parseStart(text: string): StreamStart {
   const value = text.trim();
   if (value === 'first' || value === 'last' || value === 'next') return value;
   if (/^\d+$/.test(value) && BigInt(value) < 2n ** 63n) return { offset: BigInt(value) };

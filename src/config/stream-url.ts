@@ -90,3 +90,6 @@ export function parseStreamUrl(url: string): StreamEndpoint {
 export function isStreamUrl(url: string): boolean {
   return /^\s*rabbitmq-stream(\+[a-z0-9.-]*)?:/i.test(url);
 }
+
+/** Where a stream source starts reading (the stream protocol's offset specification). */
+export type StreamStart = 'first' | 'last' | 'next' | { offset: bigint } | { timestamp: bigint };

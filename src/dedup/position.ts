@@ -34,6 +34,15 @@ export class PositionStore {
     return text === null ? undefined : BigInt(text);
   }
 
+  /**
+   * Stores `first` as a new route's position unless one is stored already (another replica of the
+   * route started first and may be reading from it); returns the position kept.
+   */
+  async init(first: bigint): Promise<bigint> {
+    await this.redis.set(this.key, first.toString(), 'NX');
+    return (await this.load()) ?? first;
+  }
+
   /** Raises the stored position to `next` (never lowers it); returns the position kept. */
   async save(next: bigint): Promise<bigint> {
     const call = (this.redis as unknown as Record<string, (key: string, value: string) => Promise<string>>)

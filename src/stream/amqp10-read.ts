@@ -14,7 +14,7 @@ import { ContentHeader } from '../wire/properties.js';
  */
 
 /** The stored bytes have no 0-9-1 form (or are not AMQP 1.0 sections at all). */
-export class UndecodableError extends Error {
+class UndecodableError extends Error {
   constructor(message: string) {
     super(message);
     this.name = 'UndecodableError';

@@ -28,6 +28,7 @@ import { streamExists } from './streams.js';
 /** Where the route has read up to, kept across runs (src/dedup/position.ts). */
 export interface Position {
   load(): Promise<bigint | undefined>;
+  init(first: bigint): Promise<bigint>;
   save(next: bigint): Promise<bigint>;
 }
 
@@ -130,6 +131,7 @@ export class StreamSource implements SourceSide {
   /** Set at start, once the stream's cluster is known (the position is named after it). */
   private position: Position = {
     load: async () => undefined,
+    init: async (first) => first,
     save: async (next) => next,
   };
 
@@ -185,8 +187,8 @@ export class StreamSource implements SourceSide {
         this.saved = stored;
       } else if (this.from === 'next' || this.from === 'last') {
         const at = tail === undefined ? 0n : this.from === 'next' ? tail.end : tail.first;
-        this.from = { offset: at };
-        this.saved = await this.position.save(at);
+        this.saved = await this.position.init(at);
+        this.from = { offset: this.saved };
       }
       if (this.options.toEnd) this.end = tail?.end ?? 0n;
     } catch (error) {

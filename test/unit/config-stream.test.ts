@@ -143,12 +143,45 @@ describe('--target rabbitmq-stream:// with --target-stream', () => {
     );
   });
 
-  it('a stream URL as --source is refused: not supported yet (issue 31), use the queue over AMQP', () => {
-    const message = refusal(() =>
-      resolveBridgeSettings(base({ source: `rabbitmq-stream://bridge:${SECRET}@old:5552/` }), 'run'),
+  it('a stream source: --source rabbitmq-stream:// with --source-stream; the ID is the offset and park is refused', () => {
+    const source = `rabbitmq-stream://bridge:${SECRET}@old:5552/`;
+    const settings = resolveBridgeSettings(
+      base({ source, sourceQueue: undefined, sourceStream: 'events', sourceStart: '2026-12-01T00:00:00Z' }),
+      'run',
     );
-    expect(message).toBe(
-      '--source (or DEDUP_BRIDGE_SOURCE): a stream source (rabbitmq-stream://) is not supported yet (issue 31); consume the queue over AMQP instead: give the broker as amqp:// or amqps://',
+    expect(settings).toMatchObject({
+      sourceStream: 'events',
+      sourceQueue: 'events',
+      sourceStart: { timestamp: BigInt(Date.parse('2026-12-01T00:00:00Z')) },
+      idFrom: [{ kind: 'offset' }],
+    });
+    expect(refusal(() => resolveBridgeSettings(base({ source, sourceQueue: undefined }), 'run'))).toBe(
+      '--source-stream (or DEDUP_BRIDGE_SOURCE_STREAM): a stream source (rabbitmq-stream://) needs --source-stream <name>, the stream to read',
+    );
+    expect(refusal(() => resolveBridgeSettings(base({ source }), 'run'))).toMatch(
+      /^--source-queue \(or DEDUP_BRIDGE_SOURCE_QUEUE\): does not go with a stream source/,
+    );
+    expect(
+      refusal(() =>
+        resolveBridgeSettings(
+          base({ source, sourceQueue: undefined, sourceStream: 'events', sourceStart: 'yesterday' }),
+          'run',
+        ),
+      ),
+    ).toMatch(/^--source-start \(or DEDUP_BRIDGE_SOURCE_START\): "yesterday" is not a start/);
+    expect(
+      refusal(() =>
+        resolveBridgeSettings(
+          base({ source, sourceQueue: undefined, sourceStream: 'events', onUnforwardable: 'dead-letter' }),
+          'run',
+        ),
+      ),
+    ).toMatch(/dead-letter is not for a stream source/);
+    expect(refusal(() => resolveBridgeSettings(base({ idFrom: 'offset' }), 'run'))).toMatch(
+      /^--id-from: offset is a stream message's position and goes with a stream source/,
+    );
+    expect(refusal(() => resolveBridgeSettings(base({ sourceStart: 'first' }), 'run'))).toMatch(
+      /^--source-start \(or DEDUP_BRIDGE_SOURCE_START\): goes with a stream source/,
     );
   });
 
