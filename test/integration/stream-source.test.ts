@@ -16,7 +16,15 @@ import {
   uniqueName,
   waitFor,
 } from '../helpers.js';
-import { countStored, DEDUP_ID, offenders, read091, readStored, type Stored } from '../stream-helpers.js';
+import {
+  countStored,
+  DEDUP_ID,
+  offenders,
+  read091,
+  readStored,
+  type Stored,
+  StreamWatch,
+} from '../stream-helpers.js';
 import { basicProperties, everyScalarField, field, longString, table } from '../wire.js';
 
 // A RabbitMQ stream as source (issue 31), read over the stream protocol from the harness's source
@@ -25,6 +33,7 @@ import { basicProperties, everyScalarField, field, longString, table } from '../
 // stream client writes them) and over 0-9-1 (RabbitMQ's own mapping).
 
 const log = createLogger('silent');
+const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 const ROUTE = 'x-dedup-route';
 
 // ---- AMQP 1.0 by hand ------------------------------------------------------------------------
@@ -286,6 +295,51 @@ describe('a stream as source', () => {
     expectReplica(
       'after a re-run',
       await readStored(sourceStreamUrl, source, { count: 750 }),
+      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
+      source,
+    );
+  });
+
+  it('stream to stream survives SIGKILLs of the bridge mid-transfer: the replica still equals its source, in order, no copy', async () => {
+    const { sourceStreamUrl, targetStreamUrl } = servers();
+    const source = uniqueName('src-stream');
+    const target = uniqueName('dst-stream');
+    await createStream(sourceStreamUrl, source);
+    await createStream(targetStreamUrl, target);
+    const total = 3000;
+    await writeStream(
+      sourceStreamUrl,
+      source,
+      Array.from({ length: total }, (_, n) => streamMessage(n, { messageId: `m-${n}`, symbol: true })),
+    );
+    const watch = new StreamWatch(targetStreamUrl, target);
+    // Paced, so that each kill lands inside the transfer; a short lease, so that the next run
+    // takes the producer over in seconds, and a short job lock, which a killed run leaves behind.
+    const quick = ['--lease', '1s', '--job-lock-lease', '1s'];
+    const args = streamArgs('migrate', source, toStream(target), '--max-rate', '600', ...quick);
+    const struck: number[] = [];
+    try {
+      for (const share of [0.2, 0.45, 0.7]) {
+        const bridge = startCli(args);
+        expect(await watch.until(Math.floor(total * share), 60_000), bridge.output()).toBe(true);
+        bridge.signal('SIGKILL');
+        await bridge.done;
+        struck.push(watch.count);
+        // The kill landed mid-transfer: some, not all, of the stream was copied.
+        expect(watch.count).toBeLessThan(total);
+        await sleep(1500);
+      }
+      const last = await migrateWithReport(streamArgs('migrate', source, toStream(target), ...quick));
+      expect(last.code, last.stderr).toBe(0);
+      process.stdout.write(
+        `stream->stream kills struck at ${struck.map((n) => `${Math.round((n / total) * 100)}%`).join(', ')}\n`,
+      );
+    } finally {
+      await watch.stop();
+    }
+    expectReplica(
+      'after 3 kills',
+      await readStored(sourceStreamUrl, source, { count: total }),
       await readStored(targetStreamUrl, target, { idleMs: 1500 }),
       source,
     );
