@@ -196,7 +196,17 @@ function withOldPolicyName<S extends PolicyKeys>(schema: z.ZodType<S>) {
 const route = z
   .object({
     name: z.string().regex(/^[\w.:-]+$/, 'must be non-empty: letters, digits, and . _ : -'),
-    source: z.object({ broker: z.string(), queue: name, tls: tlsFiles.optional() }).strict(),
+    source: z
+      .object({
+        broker: z.string(),
+        queue: name.optional(),
+        /** The stream to read, on a broker whose url is rabbitmq-stream:// (--source-stream). */
+        stream: name.optional(),
+        /** Where a new route starts reading the stream (--source-start). */
+        start: z.string().optional(),
+        tls: tlsFiles.optional(),
+      })
+      .strict(),
     target: z
       .object({
         broker: z.string(),
@@ -262,7 +272,11 @@ const fileSchema = z
       // Two routes on one queue would split its messages between them: say which one is meant.
       // Brokers are compared by URL: two names for one cluster (or one shared node) are one broker.
       const source = file.brokers[item.source.broker];
-      const keys = source ? urlsOf(source).map((url) => JSON.stringify([url, item.source.queue])) : [];
+      // A stream is read, not consumed away: routes may share one (a scope's position is shared too).
+      const keys =
+        source && item.source.queue !== undefined
+          ? urlsOf(source).map((url) => JSON.stringify([url, item.source.queue]))
+          : [];
       const other = keys.map((key) => consumers.get(key)).find((found) => found !== undefined);
       if (other !== undefined) {
         issue(
@@ -314,11 +328,29 @@ function targetIssues(
 ): [(string | number)[], string][] {
   const issues: [(string | number)[], string][] = [];
   const target = item.target;
-  if (isStreamBroker(item.source.broker)) {
-    issues.push([
-      ['source', 'broker'],
-      `broker "${item.source.broker}" is a stream endpoint (rabbitmq-stream://); a stream source is not supported yet (issue 31): read the queue over AMQP, from a broker whose url is amqp:// or amqps://`,
-    ]);
+  const source = item.source;
+  if (isStreamBroker(source.broker)) {
+    if (source.queue !== undefined) {
+      issues.push([
+        ['source', 'queue'],
+        'does not go with a stream source; source.stream names the stream to read',
+      ]);
+    } else if (source.stream === undefined) {
+      issues.push([
+        ['source', 'stream'],
+        `broker "${source.broker}" is a stream endpoint (rabbitmq-stream://): name the stream to read`,
+      ]);
+    }
+  } else {
+    for (const key of ['stream', 'start'] as const) {
+      if (source[key] !== undefined) {
+        issues.push([
+          ['source', key],
+          `goes with a broker whose url is rabbitmq-stream:// (or rabbitmq-stream+tls://); broker "${source.broker}" is not one`,
+        ]);
+      }
+    }
+    if (source.queue === undefined) issues.push([['source', 'queue'], 'is required']);
   }
   const named = (kind: string, value: string | undefined): void => {
     if (item.scope === undefined && value !== undefined && /[{}\s]/.test(value)) {
@@ -485,6 +517,8 @@ function routeOptions(file: ConfigFile, item: Route): RawOptions {
   return {
     source: urlsOf(source).join(','),
     sourceQueue: item.source.queue,
+    sourceStream: item.source.stream,
+    sourceStart: item.source.start,
     target: urlsOf(target).join(','),
     targetQueue: item.target.queue,
     targetExchange: item.target.exchange,
@@ -617,7 +651,9 @@ export function describeConfig(file: ConfigFile, routes: BridgeSettings[]): Reco
           urls: settings.sourceUrls.map(redactUrl),
           management: settings.sourceManagementUrl && redactUrl(settings.sourceManagementUrl),
           managementCa: settings.sourceManagementCa,
-          queue: settings.sourceQueue,
+          queue: settings.sourceStream === undefined ? settings.sourceQueue : undefined,
+          stream: settings.sourceStream,
+          start: settings.sourceStream === undefined ? undefined : (item.source.start ?? 'first'),
           tls: tlsOf(item, 'source'),
         }),
         target: withoutUndefined({

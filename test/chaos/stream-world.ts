@@ -35,7 +35,8 @@ export class StreamWorld {
   readonly sourceProbe: DepthProbe;
 
   private constructor(readonly runDir: string) {
-    this.source = new RabbitNode(runDir, 'stream-chaos-source');
+    // It serves the stream protocol too, for the stream-to-stream scenarios.
+    this.source = new RabbitNode(runDir, 'stream-chaos-source', { stream: true });
     this.target = new RabbitNode(runDir, 'stream-chaos-target', { stream: true });
     this.redis = new RedisServer(runDir, 'stream-chaos-redis', true);
     this.sourceProbe = new DepthProbe(() => this.source.url);
@@ -90,6 +91,27 @@ export class StreamWorld {
       '--shutdown-timeout',
       '20s',
       ...(options.extra ?? []),
+    ]);
+  }
+
+  /** `dedup-bridge run` from a stream of the source node into `stream` through the shared proxy. */
+  startStreamBridge(sourceStream: string, stream: string): RunningCli {
+    return startCli([
+      'run',
+      '--source',
+      this.source.streamUrl,
+      '--source-stream',
+      sourceStream,
+      '--target',
+      this.streamUrlVia(),
+      '--target-stream',
+      stream,
+      '--redis',
+      this.redis.url,
+      '--lease',
+      LEASE,
+      '--shutdown-timeout',
+      '20s',
     ]);
   }
 

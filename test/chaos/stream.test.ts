@@ -4,7 +4,14 @@ import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { FaultProxy } from '../harness/proxy.js';
 import { type CliResult, type RunningCli, uniqueName, waitFor } from '../helpers.js';
-import type { StreamCount, StreamWatch } from '../stream-helpers.js';
+import {
+  createStream,
+  readStored,
+  type StreamCount,
+  type StreamWatch,
+  streamMessage,
+  writeStream,
+} from '../stream-helpers.js';
 import { LEASE, STREAM_LINK_BYTES_PER_S, StreamWorld, warningsSince } from './stream-world.js';
 import {
   declare,
@@ -110,6 +117,9 @@ function formatRows(): string {
 
 /** The stream target's warning that its connection went: `target stream "<name>" at <url>: reconnecting`. */
 const reconnecting = (line: LogLine) => /^target stream ".*" at \S+: reconnecting$/.test(line.msg);
+/** Either side's stream connection going: a stream source's or a stream target's. */
+const streamReconnecting = (line: LogLine) =>
+  /^(source|target) stream ".*" at \S+: reconnecting$/.test(line.msg);
 
 /**
  * What bridges settled by the broker's last stored ID, from their logs: each new owner of the
@@ -350,6 +360,92 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
         settled([exit.stdout]).reconnects,
         'reconnects that settled unanswered publishes',
       ).toBeGreaterThan(0);
+    });
+  }
+
+  // A stream as source (issue 31): stream to stream, either broker stopped and restarted while
+  // the transfer runs. The replica must equal the source entry for entry, in order, no copy.
+  for (const broker of ['source', 'target'] as const) {
+    it(`stream to stream: the ${broker} broker stopped and restarted mid-transfer`, async () => {
+      const name = `stream-source-${broker}-restart`;
+      const sourceStream = uniqueName(`schaos-${name}-src`);
+      const stream = uniqueName(`schaos-${name}-s`);
+      await createStream(world.source.streamUrl, sourceStream);
+      await createStream(world.target.streamUrl, stream);
+      await writeStream(
+        world.source.streamUrl,
+        sourceStream,
+        Array.from({ length: MESSAGES }, (_, n) => streamMessage(n, { messageId: `m-${n}`, symbol: true })),
+      );
+      const started = Date.now();
+      const watch = world.watch(stream);
+      world.proxy.setDelay(CONFIRM_DELAY_MS);
+      const bridge = world.startStreamBridge(sourceStream, stream);
+      const landed: number[] = [];
+      let since = 0;
+      try {
+        const [point] = faultPoints(1, MESSAGES, { min: 10, max: 30 });
+        expect(await watch.until(point as number, 60_000), bridge.output().slice(-2000)).toBe(true);
+        since = Date.now();
+        landed.push(land(watch, `${broker} node stopped`));
+        const node = broker === 'source' ? world.source : world.target;
+        await node.stop(false);
+        await sleep(1000);
+        await node.start();
+        expect(
+          await watch.until(MESSAGES, TRANSFER_TIMEOUT_MS),
+          `the transfer did not finish: ${watch.count} on the stream; the bridge's output: ${dump(name, bridge.output())}`,
+        ).toBe(true);
+        // Nothing more comes: a copy would land after the last entry.
+        await sleep(2000);
+      } finally {
+        world.proxy.setDelay(0);
+        bridge.signal('SIGTERM');
+        await watch.stop();
+      }
+      const exit = await bridge.done;
+      expect(exit.code, exit.stderr).toBe(0);
+      expectLanded(name, landed, 1);
+      const seen = expectNoticed(name, exit.stdout, since, reconnecting);
+      process.stdout.write(
+        `seen: ${name}: the bridge logged "${seen.msg}" ${seen.time - since} ms after the stop began\n`,
+      );
+      const source = await readStored(world.source.streamUrl, sourceStream, { count: MESSAGES });
+      const copy = await readStored(world.target.streamUrl, stream, { idleMs: 2000 });
+      const offsets = copy.map((message) => (message.id ?? '').replace(/^.*@/, ''));
+      const seenOffsets = new Set(offsets);
+      const figures = {
+        source: source.length,
+        stored: copy.length,
+        lost: source.filter((message) => !seenOffsets.has(String(message.offset))).length,
+        duplicated: copy.length - seenOffsets.size,
+        outOfOrder: offsets.filter((offset, index) => offset !== String(source[index]?.offset)).length,
+        bodiesDiffer: copy.filter(
+          (message, index) => !message.body.equals(source[index]?.body ?? Buffer.alloc(0)),
+        ).length,
+      };
+      process.stdout.write(`replica ${name}: ${JSON.stringify(figures)}\n`);
+      rows.push({
+        scenario: name,
+        sent: MESSAGES,
+        stored: copy.length,
+        lost: figures.lost,
+        duplicated: figures.duplicated,
+        unexpected: 0,
+        flagged: copy.filter((message) => message.mentionsInDoubt).length,
+        faults: landed.length,
+        landed,
+        settled: '-',
+        seconds: Math.round((Date.now() - started) / 100) / 10,
+      });
+      expect(figures).toEqual({
+        source: MESSAGES,
+        stored: MESSAGES,
+        lost: 0,
+        duplicated: 0,
+        outOfOrder: 0,
+        bodiesDiffer: 0,
+      });
     });
   }
 

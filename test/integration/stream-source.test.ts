@@ -18,12 +18,15 @@ import {
 } from '../helpers.js';
 import {
   countStored,
+  createStream,
   DEDUP_ID,
   offenders,
   read091,
   readStored,
   type Stored,
   StreamWatch,
+  streamMessage,
+  writeStream,
 } from '../stream-helpers.js';
 import { basicProperties, everyScalarField, field, longString, table } from '../wire.js';
 
@@ -35,66 +38,6 @@ import { basicProperties, everyScalarField, field, longString, table } from '../
 const log = createLogger('silent');
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 const ROUTE = 'x-dedup-route';
-
-// ---- AMQP 1.0 by hand ------------------------------------------------------------------------
-
-function str8(code: number, text: string | Buffer): Buffer {
-  const bytes = Buffer.isBuffer(text) ? text : Buffer.from(text, 'utf8');
-  if (bytes.length > 255) throw new Error('short forms only here');
-  return Buffer.concat([Buffer.from([code, bytes.length]), bytes]);
-}
-const utf8 = (text: string) => str8(0xa1, text);
-const symbol = (text: string) => str8(0xa3, text);
-
-function map8(pairs: Buffer[][]): Buffer {
-  const body = Buffer.concat(pairs.flat());
-  return Buffer.concat([Buffer.from([0xc1, body.length + 1, pairs.length * 2]), body]);
-}
-
-function section(descriptor: number, value: Buffer): Buffer {
-  return Buffer.concat([Buffer.from([0x00, 0x53, descriptor]), value]);
-}
-
-/** A message as a stream client writes it: message-id, application-properties, one data section. */
-function streamMessage(
-  n: number,
-  options: { messageId?: string; body?: string; symbol?: boolean } = {},
-): Buffer {
-  const long = Buffer.alloc(9);
-  long[0] = 0x81;
-  long.writeBigInt64BE(BigInt(n) * 1_000_003n, 1);
-  const properties = Buffer.concat([
-    Buffer.from([0xc0]),
-    // list8: size, count, then message-id and the rest null
-    (() => {
-      const items = Buffer.concat([
-        options.messageId === undefined ? Buffer.from([0x40]) : utf8(options.messageId),
-        Buffer.from([0x40, 0x40, 0x40]), // user-id, to, subject
-        Buffer.from([0x40, 0x40]), // reply-to, correlation-id
-        symbol('text/plain'),
-      ]);
-      return Buffer.concat([Buffer.from([items.length + 1, 7]), items]);
-    })(),
-  ]);
-  const applicationProperties = map8([
-    [utf8('n'), utf8(String(n))],
-    [utf8('big'), long],
-    // A symbol value: RabbitMQ 3.10 cannot hand such a message to a 0-9-1 consumer at all.
-    [utf8('kind'), options.symbol ? symbol('stream-written') : utf8('stream-written')],
-  ]);
-  const data = Buffer.from(options.body ?? `body ${n}`);
-  return Buffer.concat([
-    section(0x73, properties),
-    section(0x74, applicationProperties),
-    section(0x75, Buffer.concat([Buffer.from([0xb0]), u32(data.length), data])),
-  ]);
-}
-
-function u32(n: number): Buffer {
-  const out = Buffer.alloc(4);
-  out.writeUInt32BE(n, 0);
-  return out;
-}
 
 /** The sections of a stored message, as [descriptor, bytes]. */
 function sectionsOf(stored: Stored): Map<number, Buffer> {
@@ -136,42 +79,6 @@ function nextSection(raw: Buffer, at: number): number {
       return v + 5 + raw.readUInt32BE(v + 1);
     default:
       throw new Error(`section value 0x${code.toString(16)}`);
-  }
-}
-
-// ---- streams ---------------------------------------------------------------------------------
-
-async function createStream(url: string, name: string): Promise<void> {
-  const client = await StreamClient.connect({ url, connectionName: 'test' });
-  try {
-    await client.create(name);
-  } finally {
-    await client.close();
-  }
-}
-
-/** Writes messages over the stream protocol, waiting for every confirm. */
-async function writeStream(url: string, stream: string, messages: readonly Buffer[]): Promise<void> {
-  const client = await StreamClient.connect({ url, connectionName: 'test writer' });
-  try {
-    // A name of its own per call: its publishing IDs start at 1 each time.
-    await client.declarePublisher(7, uniqueName('writer'), stream);
-    const confirmed = new Promise<void>((resolve) => {
-      let left = messages.length;
-      client.on('confirm', (_id, ids) => {
-        left -= ids.length;
-        if (left <= 0) resolve();
-      });
-    });
-    for (let i = 0; i < messages.length; i += 100) {
-      client.publish(
-        7,
-        messages.slice(i, i + 100).map((data, k) => ({ publishingId: BigInt(i + k + 1), data })),
-      );
-    }
-    await confirmed;
-  } finally {
-    await client.close();
   }
 }
 

@@ -415,6 +415,51 @@ describe('the example in docs/configuration.md', () => {
   });
 });
 
+describe('a stream source in a config file', () => {
+  const brokers = {
+    old: { url: 'rabbitmq-stream://bridge:secret@old:5552/prod' },
+    new: { url: 'rabbitmq-stream://bridge:secret@new:5552/prod' },
+  };
+
+  it('reads source.stream and source.start on a rabbitmq-stream:// broker', () => {
+    const routes = loadConfigRoutes(
+      configFile({
+        brokers,
+        routes: [
+          {
+            name: 'events',
+            source: { broker: 'old', stream: 'events', start: 'next' },
+            target: { broker: 'new', stream: 'events' },
+          },
+        ],
+      }),
+      {},
+      'run',
+    );
+    expect(routes[0]).toMatchObject({
+      sourceStream: 'events',
+      sourceQueue: 'events',
+      sourceStart: 'next',
+      idFrom: [{ kind: 'offset' }],
+      targetStream: 'events',
+    });
+  });
+
+  it('refuses a queue on a stream broker, and a stream on an amqp:// one, naming the place', () => {
+    const file = (source: object) =>
+      configFile({
+        brokers: { ...brokers, amqp: { url: 'amqp://bridge:secret@old:5672/prod' } },
+        routes: [{ name: 'events', source, target: { broker: 'new', stream: 'events' } }],
+      });
+    expect(loadError(file({ broker: 'old', queue: 'events' }))).toMatch(
+      /routes\[0\]\.source\.queue: does not go with a stream source; source\.stream names the stream to read/,
+    );
+    expect(loadError(file({ broker: 'amqp', stream: 'events' }))).toMatch(
+      /routes\[0\]\.source\.stream: goes with a broker whose url is rabbitmq-stream:\/\//,
+    );
+  });
+});
+
 describe('several broker URLs on the command line', () => {
   const base: RawOptions = { sourceQueue: 'q', targetQueue: 'q' };
 
