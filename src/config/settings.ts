@@ -262,60 +262,39 @@ function urlItems(value: string): string[] {
 /** One URL, or several comma-separated (the nodes of a cluster, tried in turn). */
 const amqpUrlList = z.string().transform(urlItems).pipe(z.array(amqpUrl).min(1, 'give at least one URL'));
 
-/** The source: AMQP URLs (a cluster's nodes), or one stream URL (read over the stream protocol). */
-const sourceUrlList = z
-  .string()
-  .superRefine((value, ctx) => {
-    const items = urlItems(value);
-    if (!items.some(isStreamUrl)) {
-      const parsed = amqpUrlList.safeParse(value);
-      for (const issue of parsed.error?.issues ?? [])
-        ctx.addIssue({ code: 'custom', message: issue.message });
-      return;
-    }
-    if (items.length > 1) {
-      ctx.addIssue({
-        code: 'custom',
-        message: `a stream source is one rabbitmq-stream:// URL; a list of ${items.length} URLs is not supported for a stream (yet): give one node`,
-      });
-      return;
-    }
-    try {
-      parseStreamUrl(items[0] as string);
-    } catch (error) {
-      ctx.addIssue({ code: 'custom', message: (error as Error).message });
-    }
-  })
-  .transform(urlItems);
-
 /**
- * The target: AMQP URLs (a cluster's nodes), or one stream URL, rabbitmq-stream:// or
+ * A side's brokers: AMQP URLs (a cluster's nodes), or one stream URL, rabbitmq-stream:// or
  * rabbitmq-stream+tls:// (checked by parseStreamUrl; a list of them is not taken yet).
  */
-const targetUrlList = z
-  .string()
-  .superRefine((value, ctx) => {
-    const items = urlItems(value);
-    if (!items.some(isStreamUrl)) {
-      const parsed = amqpUrlList.safeParse(value);
-      for (const issue of parsed.error?.issues ?? [])
-        ctx.addIssue({ code: 'custom', message: issue.message });
-      return;
-    }
-    if (items.length > 1) {
-      ctx.addIssue({
-        code: 'custom',
-        message: `a stream target is one rabbitmq-stream:// URL; a list of ${items.length} URLs is not supported for a stream (yet): give one node`,
-      });
-      return;
-    }
-    try {
-      parseStreamUrl(items[0] as string);
-    } catch (error) {
-      ctx.addIssue({ code: 'custom', message: (error as Error).message });
-    }
-  })
-  .transform(urlItems);
+function brokerUrlList(side: 'source' | 'target') {
+  return z
+    .string()
+    .superRefine((value, ctx) => {
+      const items = urlItems(value);
+      if (!items.some(isStreamUrl)) {
+        const parsed = amqpUrlList.safeParse(value);
+        for (const issue of parsed.error?.issues ?? [])
+          ctx.addIssue({ code: 'custom', message: issue.message });
+        return;
+      }
+      if (items.length > 1) {
+        ctx.addIssue({
+          code: 'custom',
+          message: `a stream ${side} is one rabbitmq-stream:// URL; a list of ${items.length} URLs is not supported for a stream (yet): give one node`,
+        });
+        return;
+      }
+      try {
+        parseStreamUrl(items[0] as string);
+      } catch (error) {
+        ctx.addIssue({ code: 'custom', message: (error as Error).message });
+      }
+    })
+    .transform(urlItems);
+}
+
+const sourceUrlList = brokerUrlList('source');
+const targetUrlList = brokerUrlList('target');
 
 /** A list's check on the text as given (a job file's source or target), for urlOrReference. */
 function checkedText(list: z.ZodType<unknown, string>) {

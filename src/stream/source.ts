@@ -1,16 +1,7 @@
 import type { ConnectionOptions } from 'node:tls';
 import { backoffDelay, sleep, sleepUnlessStopped } from '../backoff.js';
 import { redactStreamUrl } from '../config/stream-url.js';
-import { tlsFailure } from '../config/tls.js';
-import {
-  type BridgeError,
-  ConfigError,
-  describe,
-  FatalConnectError,
-  RuntimeFailure,
-  StopRequested,
-  UnavailableError,
-} from '../errors.js';
+import { type BridgeError, ConfigError, describe, FatalConnectError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { Delivery, SourceSide } from '../ports.js';
 import { type ContentHeader, ContentHeaderError } from '../wire/properties.js';
@@ -18,11 +9,11 @@ import { decodeMessage } from './amqp10-read.js';
 import {
   type Chunk,
   type OffsetSpec,
-  StreamAuthenticationError,
   StreamClient,
   type StreamConnectOptions,
   StreamResponseError,
 } from './client.js';
+import { connectAtStart, type StreamEnd } from './connect.js';
 import { streamExists } from './streams.js';
 
 /** Where the route has read up to, kept across runs (src/dedup/position.ts). */
@@ -444,6 +435,10 @@ export class StreamSource implements SourceSide {
 
   // ---- the connection ----------------------------------------------------------------------------
 
+  private connect(): Promise<StreamClient> {
+    return StreamClient.connect(this.connectOptions());
+  }
+
   private connectOptions(): StreamConnectOptions {
     return {
       url: this.options.url,
@@ -452,46 +447,21 @@ export class StreamSource implements SourceSide {
     };
   }
 
-  private async firstConnect(): Promise<StreamClient> {
-    const started = Date.now();
-    for (let attempt = 1; ; attempt++) {
-      try {
-        return await StreamClient.connect(this.connectOptions());
-      } catch (error) {
-        const refused = this.startError(error);
-        if (!(refused instanceof RuntimeFailure)) throw refused;
-        const waited = Date.now() - started;
-        if (this.options.retryForMs > 0 && waited >= this.options.retryForMs) {
-          throw new UnavailableError(
-            `${this.where} did not answer for ${Math.round(waited / 1000)}s (${describe(error)}), past --retry-for; nothing was moved`,
-          );
-        }
-        this.log.warn({ attempt, error: describe(error) }, `${this.where} not reachable; retrying`);
-        await sleepUnlessStopped(backoffDelay(attempt, 200, 5000), this.options.stop);
-        if (this.options.stop?.aborted) throw new StopRequested(this.where);
-      }
-    }
+  /** Connects at start: a refusal is the user's error at once, silence is retried (connect.ts). */
+  private firstConnect(): Promise<StreamClient> {
+    return connectAtStart(() => this.connect(), this.endpoint);
   }
 
-  private startError(error: unknown): BridgeError {
-    if (error instanceof StreamAuthenticationError) {
-      return new ConfigError(
-        `${this.shown}: the broker refused the user name or password (${error.codeName})`,
-      );
-    }
-    if (error instanceof StreamResponseError && error.codeName === 'ACCESS_REFUSED') {
-      return new ConfigError(
-        `${this.where}: ${error.codeName}; grant the user read permission on the stream`,
-      );
-    }
-    if (error instanceof StreamResponseError && error.codeName === 'VIRTUAL_HOST_ACCESS_FAILURE') {
-      return new ConfigError(
-        `${this.shown}: no access to the vhost (${error.codeName}); check the URL's vhost and the user's permissions`,
-      );
-    }
-    const tlsProblem = tlsFailure(error, 'source');
-    if (tlsProblem !== undefined) return new FatalConnectError(`${this.where}: ${tlsProblem}`);
-    return new RuntimeFailure(`${this.where} unreachable: ${describe(error)}`);
+  /** This side's endpoint, for connect.ts. */
+  private get endpoint(): StreamEnd {
+    return {
+      side: 'source',
+      where: this.where,
+      shown: this.shown,
+      retryForMs: this.options.retryForMs,
+      stop: this.options.stop,
+      log: this.log,
+    };
   }
 
   private attach(client: StreamClient): void {
@@ -530,7 +500,7 @@ export class StreamSource implements SourceSide {
       if (this.closed || this.options.stop?.aborted) return;
       let client: StreamClient | undefined;
       try {
-        client = await StreamClient.connect(this.connectOptions());
+        client = await this.connect();
         if (!(await streamExists(client, this.options.stream))) {
           await client.close();
           this.onFatal(

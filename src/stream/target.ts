@@ -1,7 +1,6 @@
 import type { ConnectionOptions } from 'node:tls';
 import { backoffDelay, sleepUnlessStopped } from '../backoff.js';
 import { redactStreamUrl } from '../config/stream-url.js';
-import { tlsFailure } from '../config/tls.js';
 import {
   BridgeError,
   ConfigError,
@@ -9,7 +8,6 @@ import {
   FatalConnectError,
   RuntimeFailure,
   StopRequested,
-  UnavailableError,
 } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER, ROUTE_HEADER, SOURCE_USER_HEADER } from '../headers.js';
 import type { Logger } from '../log.js';
@@ -17,12 +15,8 @@ import type { Publish, PublishOutcome, TargetSide } from '../ports.js';
 import { ContentHeader } from '../wire/properties.js';
 import { encodeMessage, mappingFor } from './amqp10.js';
 import { replaceApplicationProperties } from './amqp10-read.js';
-import {
-  StreamAuthenticationError,
-  StreamClient,
-  type StreamConnectOptions,
-  StreamResponseError,
-} from './client.js';
+import { StreamClient, type StreamConnectOptions, StreamResponseError } from './client.js';
+import { connectAtStart, type StreamEnd, streamStartError } from './connect.js';
 import { missingStreamLine, streamExists } from './streams.js';
 
 /**
@@ -217,33 +211,25 @@ export class StreamTarget implements TargetSide {
     try {
       await this.attach(client);
     } catch (error) {
-      throw this.startError(error);
+      throw streamStartError(error, this.endpoint);
     }
   }
 
-  /**
-   * Connects at start, retrying an endpoint that does not answer for --retry-for (0: for ever) as
-   * a queue target does; a refusal (login, vhost, certificate) is the user's error at once.
-   */
-  private async firstConnect(): Promise<StreamConnection> {
-    const started = Date.now();
-    for (let attempt = 1; ; attempt++) {
-      try {
-        return await this.connect();
-      } catch (error) {
-        const refused = this.startError(error);
-        if (refused instanceof BridgeError && !(refused instanceof RuntimeFailure)) throw refused;
-        const waited = Date.now() - started;
-        if (this.options.retryForMs > 0 && waited >= this.options.retryForMs) {
-          throw new UnavailableError(
-            `${this.where} did not answer for ${Math.round(waited / 1000)}s (${describe(error)}), past --retry-for; nothing was moved`,
-          );
-        }
-        this.log.warn({ attempt, error: describe(error) }, `${this.where} not reachable; retrying`);
-        await sleepUnlessStopped(backoffDelay(attempt, 200, 5000), this.options.stop);
-        if (this.options.stop?.aborted) throw new StopRequested(this.where);
-      }
-    }
+  /** Connects at start: a refusal is the user's error at once, silence is retried (connect.ts). */
+  private firstConnect(): Promise<StreamConnection> {
+    return connectAtStart(() => this.connect(), this.endpoint);
+  }
+
+  /** This side's endpoint, for connect.ts. */
+  private get endpoint(): StreamEnd {
+    return {
+      side: 'target',
+      where: this.where,
+      shown: this.shown,
+      retryForMs: this.options.retryForMs,
+      stop: this.options.stop,
+      log: this.log,
+    };
   }
 
   async close(): Promise<void> {
@@ -610,28 +596,6 @@ export class StreamTarget implements TargetSide {
 
   private connect(): Promise<StreamConnection> {
     return (this.options.connect ?? StreamClient.connect)(this.connectOptions());
-  }
-
-  private startError(error: unknown): unknown {
-    if (error instanceof StreamAuthenticationError) {
-      return new ConfigError(
-        `${this.shown}: the broker refused the user name or password (${error.codeName})`,
-      );
-    }
-    if (error instanceof StreamResponseError && error.codeName === 'ACCESS_REFUSED') {
-      return new ConfigError(
-        `${this.where}: ${error.codeName}; grant the user write permission on the stream`,
-      );
-    }
-    if (error instanceof StreamResponseError && error.codeName === 'VIRTUAL_HOST_ACCESS_FAILURE') {
-      return new ConfigError(
-        `${this.shown}: no access to the vhost (${error.codeName}); check the URL's vhost and the user's permissions`,
-      );
-    }
-    if (error instanceof BridgeError) return error;
-    const tlsProblem = tlsFailure(error, 'target');
-    if (tlsProblem !== undefined) return new FatalConnectError(`${this.where}: ${tlsProblem}`);
-    return new RuntimeFailure(`${this.where} unreachable: ${describe(error)}`);
   }
 
   /** Takes a connection into use: declares the publisher, answers what was written before by the last stored ID. */

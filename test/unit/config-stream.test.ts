@@ -320,11 +320,11 @@ describe('a config file with a stream target', () => {
     );
   });
 
-  it('refuses a stream broker as a source, and a malformed stream URL, passwords masked', () => {
+  it('a stream broker as a source reads a stream, not a queue; a malformed stream URL is refused, passwords masked', () => {
     const file = streamFile({ broker: 'old', queue: 'q' });
     const asSource = { ...file, routes: [{ ...file.routes[0], source: { broker: 'streams', queue: 'q' } }] };
     expect(loadError(asSource)).toMatch(
-      /^routes\[0\]\.source\.broker: broker "streams" is a stream endpoint \(rabbitmq-stream:\/\/\); a stream source is not supported yet \(issue 31\)/,
+      /^routes\[0\]\.source\.queue: does not go with a stream source; source\.stream names the stream to read/,
     );
     expect(
       loadError(
