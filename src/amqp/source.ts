@@ -749,7 +749,7 @@ export async function sourceQueueTypeOf(
   log.debug({ queue, type }, 'source queue type');
   if (type === 'stream') {
     throw new FatalConnectError(
-      `--source-queue: queue "${queue}" on the ${where} is a stream; a stream source is not supported yet (it needs an offset stored per route, which a later version takes as --source-offset); nothing was consumed: give a classic or quorum queue`,
+      `--source-queue: queue "${queue}" on the ${where} is a stream; over AMQP it would be read from an offset nobody stores; nothing was consumed: read it over the stream protocol (--source rabbitmq-stream://…:5552/vhost --source-stream ${queue}), or give a classic or quorum queue`,
     );
   }
   return type;

@@ -429,6 +429,7 @@ function sourceLinkOf(
         start: settings.sourceStart,
         prefetch,
         toEnd: limits.toEnd ?? false,
+        storedBytes: settings.targetStream !== undefined,
         retryForMs: settings.retryForMs,
         stop: limits.stop,
       },

@@ -231,9 +231,11 @@ function shortstr(value: Buffer): Buffer {
 
 /**
  * `stream`: the routing key of a message that names none (one a stream client wrote), as RabbitMQ
- * delivers it over 0-9-1: the stream's name, through the default exchange.
+ * delivers it over 0-9-1: the stream's name, through the default exchange. With `anyBody`, a body
+ * with no 0-9-1 form is no error (and the body returned is the stored message's first data
+ * section, if any): for a copy into another stream, which writes the stored bytes.
  */
-export function decodeMessage(data: Buffer, stream: string): DecodedMessage {
+export function decodeMessage(data: Buffer, stream: string, { anyBody = false } = {}): DecodedMessage {
   const props: Partial<Record<string, Buffer>> = {};
   const fields: Field[] = [];
   let deliveryMode: number | undefined;
@@ -289,6 +291,11 @@ export function decodeMessage(data: Buffer, stream: string): DecodedMessage {
           props.appId = bytesOf(data, item);
           continue;
         }
+        if (key.length > 255) {
+          // A copy into a stream keeps it in the stored bytes; 0-9-1 has no such field name.
+          if (anyBody) continue;
+          throw new UndecodableError(`an application property name of ${key.length} bytes has no 0-9-1 form`);
+        }
         const converted = fieldValueOf(data, item);
         if (converted !== undefined) fields.push({ name: Buffer.from(key), value: converted });
       }
@@ -302,10 +309,13 @@ export function decodeMessage(data: Buffer, stream: string): DecodedMessage {
       throw new UndecodableError(`an unknown section 0x${descriptor.toString(16)}`);
     }
   }
-  if (bodyKind === 'other') {
+  // anyBody: the header alone is wanted (a stream-to-stream copy writes the stored bytes).
+  if (bodyKind === 'other' && !anyBody) {
     throw new UndecodableError('its body is an amqp-value or amqp-sequence, which has no AMQP 0-9-1 form');
   }
-  if (body.length > 1) throw new UndecodableError(`its body is ${body.length} data sections, not one`);
+  if (body.length > 1 && !anyBody) {
+    throw new UndecodableError(`its body is ${body.length} data sections, not one`);
+  }
   // The content header: property flags, then each property present, in wire order.
   let flags = 0;
   const list: Buffer[] = [];

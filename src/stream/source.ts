@@ -34,6 +34,11 @@ export interface StreamSourceOptions {
   prefetch: number;
   /** migrate: read up to the stream's end as it was at start, then stop. */
   toEnd: boolean;
+  /**
+   * The target is a stream, which writes the stored bytes: an entry whose body has no 0-9-1 form
+   * (an amqp-value, say) is forwarded all the same; into a queue it is held as unreadable.
+   */
+  storedBytes: boolean;
   /** How long start waits for an endpoint that does not answer (--retry-for; 0: for ever). */
   retryForMs: number;
   stop: AbortSignal | undefined;
@@ -115,6 +120,7 @@ export class StreamSource implements SourceSide {
   private credits = 0;
   private saved: bigint | undefined;
   private saving: Promise<void> | undefined;
+  private saveFailing = false;
   private saveTimer: NodeJS.Timeout | undefined;
   private recovering: Promise<void> | undefined;
   private readonly shown: string;
@@ -369,7 +375,7 @@ export class StreamSource implements SourceSide {
 
   private read(offset: bigint, data: Buffer): StreamDelivery {
     try {
-      const decoded = decodeMessage(data, this.options.stream);
+      const decoded = decodeMessage(data, this.options.stream, { anyBody: this.options.storedBytes });
       return new StreamDelivery(
         offset,
         data,
@@ -395,12 +401,17 @@ export class StreamSource implements SourceSide {
       .then(
         (kept) => {
           this.saved = kept;
+          this.saveFailing = false;
         },
         (error: unknown) => {
-          this.log.warn(
-            { error: describe(error) },
-            `${this.where}: storing the read position failed; retrying`,
-          );
+          // Once per streak: the timer tries again every 200 ms.
+          if (!this.saveFailing) {
+            this.log.warn(
+              { error: describe(error) },
+              `${this.where}: storing the read position failed; retrying`,
+            );
+          }
+          this.saveFailing = true;
         },
       )
       .finally(() => {

@@ -203,13 +203,13 @@ describe('a stream as the source is refused at start (until stream sources are s
     return { stream, all };
   }
 
-  it('migrate and run on a stream holding 100: exit 2, one line naming --source-offset, nothing forwarded', async () => {
+  it('migrate and run on a stream queue over AMQP, holding 100: exit 2, one line naming --source-stream, nothing forwarded', async () => {
     const { sourceUrl, targetUrl } = servers();
     const { stream, all } = await streamSource(100);
     const target = uniqueName('dst-stream');
     await declareQueue(targetUrl, target);
     const refusal = new RegExp(
-      `^dedup-bridge: --source-queue: queue "${stream}" on the source broker at \\S+ is a stream; a stream source is not supported yet .*--source-offset.*$`,
+      `^dedup-bridge: --source-queue: queue "${stream}" on the source broker at \\S+ is a stream; .*nothing was consumed: read it over the stream protocol \\(--source rabbitmq-stream:.*--source-stream ${stream}\\).*$`,
     );
 
     const migrated = await migrateWithReport(migrateArgs(stream, ['--target-queue', target]));

@@ -172,7 +172,7 @@ describe('a stream as source', () => {
     const written = Array.from({ length: 600 }, (_, n) =>
       streamMessage(n, { messageId: n % 60 === 0 ? 'same-id' : `m-${n}`, symbol: true }),
     );
-    await writeStream(sourceStreamUrl, source, written);
+    await writeStream(sourceStreamUrl, source, [...written, ...unusualEntries()]);
     await publish091(
       source,
       Array.from({ length: 100 }, (_, n) => ({
@@ -183,9 +183,9 @@ describe('a stream as source', () => {
 
     const first = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
     expect(first.code, first.stderr).toBe(0);
-    expect(first.report, JSON.stringify(first.report)).toMatchObject({ forwarded: 700, inDoubt: 0 });
-    const sourceAll = await readStored(sourceStreamUrl, source, { count: 700 });
-    expectReplica('first run', sourceAll, await readStored(targetStreamUrl, target, { count: 700 }), source);
+    expect(first.report, JSON.stringify(first.report)).toMatchObject({ forwarded: 705, inDoubt: 0 });
+    const sourceAll = await readStored(sourceStreamUrl, source, { count: 705 });
+    expectReplica('first run', sourceAll, await readStored(targetStreamUrl, target, { count: 705 }), source);
 
     const again = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
     expect(again.code, again.stderr).toBe(0);
@@ -201,7 +201,7 @@ describe('a stream as source', () => {
     expect(third.report, JSON.stringify(third.report)).toMatchObject({ forwarded: 50, duplicates: 0 });
     expectReplica(
       'after a re-run',
-      await readStored(sourceStreamUrl, source, { count: 750 }),
+      await readStored(sourceStreamUrl, source, { count: 755 }),
       await readStored(targetStreamUrl, target, { idleMs: 1500 }),
       source,
     );
@@ -432,4 +432,46 @@ function sortedFields(header: Buffer): Buffer {
     .sort((a, b) => Buffer.compare(Buffer.from(a.name), Buffer.from(b.name)))
     .map((field) => header.subarray(field.start, field.end));
   return Buffer.concat([header.subarray(0, start), ...sorted, header.subarray(end)]);
+}
+
+/**
+ * Entries no 0-9-1 client could have written: a header section and a footer, an amqp-value body,
+ * two data sections, no application-properties at all, and a map of over 255 bytes. A stream
+ * copy must carry each as it was.
+ */
+function unusualEntries(): Buffer[] {
+  const data = (text: string) => {
+    const bytes = Buffer.from(text);
+    return Buffer.concat([Buffer.from([0x00, 0x53, 0x75, 0xa0, bytes.length]), bytes]);
+  };
+  // header: list8 of durable true, priority ubyte 7
+  const header = Buffer.from([0x00, 0x53, 0x70, 0xc0, 0x04, 0x02, 0x41, 0x50, 0x07]);
+  // footer: a map of one symbol key to a ulong
+  const footer = Buffer.concat([
+    Buffer.from([0x00, 0x53, 0x78, 0xc1, 0x0d, 0x02, 0xa3, 0x01, 0x66]),
+    Buffer.from([0x80, 0, 0, 0, 0, 0, 0, 0, 0x2a]),
+  ]);
+  const amqpValue = Buffer.from([0x00, 0x53, 0x77, 0xa1, 0x05, ...Buffer.from('value')]);
+  const bigKey = 'k'.repeat(300);
+  const bigMap = Buffer.concat([
+    Buffer.from([0x00, 0x53, 0x74, 0xd1]),
+    (() => {
+      const entry = Buffer.concat([
+        Buffer.from([0xb1, 0, 0, 0x01, 0x2c]),
+        Buffer.from(bigKey),
+        Buffer.from([0xa1, 0x01, 0x76]),
+      ]);
+      const size = Buffer.alloc(8);
+      size.writeUInt32BE(entry.length + 4, 0);
+      size.writeUInt32BE(2, 4);
+      return Buffer.concat([size, entry]);
+    })(),
+  ]);
+  return [
+    Buffer.concat([header, data('with a header and a footer'), footer]),
+    amqpValue,
+    Buffer.concat([data('first part, '), data('second part')]),
+    data('nothing but a body'),
+    Buffer.concat([bigMap, data('a large map')]),
+  ];
 }

@@ -69,7 +69,7 @@ describe('a stream target on the command line', () => {
     );
   });
 
-  it('a stream URL as --source, and --target-stream from its variable with an amqp:// target, exit 2', async () => {
+  it('a stream URL as --source with --source-queue, and --target-stream from its variable with an amqp:// target, exit 2', async () => {
     const { sourceUrl, targetUrl, redisUrl } = servers();
     const source = await runCli([
       'run',
@@ -87,7 +87,7 @@ describe('a stream target on the command line', () => {
     expectOneLine(
       source,
       2,
-      /--source .*a stream source \(rabbitmq-stream:\/\/\) is not supported yet \(issue 31\)/,
+      /--source-queue \(or DEDUP_BRIDGE_SOURCE_QUEUE\): does not go with a stream source \(rabbitmq-stream:\/\/\); --source-stream names the stream to read/,
     );
     const stream = await runCli(
       ['run', '--source', sourceUrl, '--source-queue', 'x', '--target', targetUrl, '--redis', redisUrl],
