@@ -406,7 +406,7 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
       const exit = await bridge.done;
       expect(exit.code, exit.stderr).toBe(0);
       expectLanded(name, landed, 1);
-      const seen = expectNoticed(name, exit.stdout, since, reconnecting);
+      const seen = expectNoticed(name, exit.stdout, since, streamReconnecting);
       process.stdout.write(
         `seen: ${name}: the bridge logged "${seen.msg}" ${seen.time - since} ms after the stop began\n`,
       );
