@@ -287,9 +287,11 @@ export class Pipeline {
 
   /** claim → publish → commit → ack, for one batch of distinct IDs. */
   private async forward(entries: Entry[]): Promise<void> {
+    // --max-rate waits before the claim, not after: a claim held while its batch waits for the
+    // rate is in doubt for the next owner if this process dies, and its copy would go flagged.
+    if (this.settings.throttle) await this.settings.throttle(entries.length);
     const toPublish = await this.claim(entries);
     if (toPublish.length === 0) return;
-    if (this.settings.throttle) await this.settings.throttle(toPublish.length);
 
     const outcomes = await this.publishBatch(toPublish);
     const stored: Entry[] = [];

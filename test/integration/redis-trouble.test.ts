@@ -215,12 +215,27 @@ describe('a Redis that forgets (FLUSHDB) under a running migration', () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const { ids, messages } = numbered(source, 3000);
     await publishAll(sourceUrl, source, messages);
-    // --max-rate holds claimed batches before their publish: claims are in Redis when it forgets.
-    const run = migrateWithReport(migrateArgsTo(source, target, '--prefetch', '200', '--max-rate', '600'));
-    expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 300)).toBe(true);
-    const before = await depthOf(targetUrl, target);
-    await admin.flushdb();
-    const result = await run;
+    // A slow target (its confirms held back) keeps claimed batches waiting for their confirms: claims
+    // are in Redis when it forgets. (--max-rate no longer holds claims: it waits before the claim.)
+    const proxy = FaultProxy.forUrl(targetUrl);
+    await proxy.start();
+    proxy.setDelay(300);
+    const args = withOption(
+      migrateArgsTo(source, target, '--prefetch', '200', '--max-rate', '600'),
+      '--target',
+      proxy.urlFor(targetUrl),
+    );
+    let result: Awaited<ReturnType<typeof migrateWithReport>>;
+    let before: number;
+    try {
+      const run = migrateWithReport(args);
+      expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 300)).toBe(true);
+      before = await depthOf(targetUrl, target);
+      await admin.flushdb();
+      result = await run;
+    } finally {
+      await proxy.stop();
+    }
     const onTarget = idsOf(await takeAll(targetUrl, target));
     const report = result.report as Record<string, unknown>;
     process.stdout.write(
