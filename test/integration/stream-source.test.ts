@@ -2,7 +2,6 @@ import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
 import { createLogger } from '../../src/observe/log.js';
-import { StreamClient } from '../../src/stream/client.js';
 import { ContentHeader } from '../../src/wire/properties.js';
 import {
   declareQueue,
