@@ -353,6 +353,8 @@ export class StreamSource implements SourceSide {
     this.credits = Math.max(0, this.credits - 1);
     if (!this.consuming || !this.onDelivery) return;
     for (const stored of chunk.messages) {
+      // The pipeline may stop consuming in the middle of a chunk (--max-messages reached).
+      if (!this.consuming) break;
       // A chunk starts where the broker found it: messages before the one asked for come again.
       if (this.nextOffset !== undefined ? stored.offset < this.nextOffset : stored.offset < this.startOffset)
         continue;
