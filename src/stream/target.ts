@@ -478,7 +478,8 @@ export class StreamTarget implements TargetSide {
         if (tooLarge(item)) this.refuseTooLarge(item.publish, item.data.length, frameMax, item.answered);
         else item.answered('fenced');
       }
-      if (!this.canWrite) return;
+      // The settle took a Redis round trip: the next round looks at every lease again, then writes.
+      return;
     }
     const client = this.client as StreamConnection;
     const batch = this.reserved.filter((item) => !item.written);
