@@ -208,18 +208,24 @@ function fieldValueOf(bytes: Buffer, value: Value): FieldValue | undefined {
   }
 }
 
-/** A message-id or correlation-id as the 0-9-1 shortstr: strings as they are, others in text. */
-function idText(bytes: Buffer, value: Value): Buffer | undefined {
+/**
+ * A message-id or correlation-id as RabbitMQ 3.10 hands it to a 0-9-1 consumer: a string as it is;
+ * a ulong in decimal, a uuid in its text form and binary in base64, each with a header
+ * `x-message-id-type` (or `x-correlation-id-type`) naming the AMQP 1.0 type.
+ */
+function idOf(bytes: Buffer, value: Value): { text: Buffer; type?: string } | undefined {
   if (value.code === 0x40) return undefined;
-  if (isString(value.code) || isBinary(value.code)) return Buffer.from(bytesOf(bytes, value));
-  if (value.code === 0x80) return Buffer.from(bytes.readBigUInt64BE(value.payload).toString());
-  if (value.code === 0x53) return Buffer.from(String(bytes[value.payload]));
-  if (value.code === 0x44) return Buffer.from('0');
+  if (isString(value.code)) return { text: Buffer.from(bytesOf(bytes, value)) };
+  if (isBinary(value.code))
+    return { text: Buffer.from(bytesOf(bytes, value).toString('base64')), type: 'binary' };
+  if (value.code === 0x80)
+    return { text: Buffer.from(bytes.readBigUInt64BE(value.payload).toString()), type: 'ulong' };
+  if (value.code === 0x53) return { text: Buffer.from(String(bytes[value.payload])), type: 'ulong' };
+  if (value.code === 0x44) return { text: Buffer.from('0'), type: 'ulong' };
   if (value.code === 0x98) {
     const hex = bytes.subarray(value.payload, value.payload + 16).toString('hex');
-    return Buffer.from(
-      `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`,
-    );
+    const text = `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
+    return { text: Buffer.from(text), type: 'uuid' };
   }
   return undefined;
 }
@@ -238,6 +244,8 @@ function shortstr(value: Buffer): Buffer {
 export function decodeMessage(data: Buffer, stream: string, { anyBody = false } = {}): DecodedMessage {
   const props: Partial<Record<string, Buffer>> = {};
   const fields: Field[] = [];
+  // The AMQP 1.0 types of a message-id or correlation-id that is not a string, as headers.
+  const idTypes: [string, string][] = [];
   let deliveryMode: number | undefined;
   let priority: number | undefined;
   let timestamp: bigint | undefined;
@@ -264,14 +272,20 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
     } else if (descriptor === PROPERTIES) {
       const items = itemsOf(data, inner);
       const at = (i: number) => items[i];
-      const messageId = at(0) && idText(data, at(0) as Value);
-      if (messageId) props.messageId = messageId;
+      const messageId = at(0) && idOf(data, at(0) as Value);
+      if (messageId) {
+        props.messageId = messageId.text;
+        if (messageId.type) idTypes.push(['x-message-id-type', messageId.type]);
+      }
       const userId = at(1);
       if (userId && (isBinary(userId.code) || isString(userId.code))) props.userId = bytesOf(data, userId);
       const replyTo = at(4);
       if (replyTo && isString(replyTo.code)) props.replyTo = bytesOf(data, replyTo);
-      const correlationId = at(5) && idText(data, at(5) as Value);
-      if (correlationId) props.correlationId = correlationId;
+      const correlationId = at(5) && idOf(data, at(5) as Value);
+      if (correlationId) {
+        props.correlationId = correlationId.text;
+        if (correlationId.type) idTypes.push(['x-correlation-id-type', correlationId.type]);
+      }
       const contentType = at(6);
       if (contentType && isString(contentType.code)) props.contentType = bytesOf(data, contentType);
       const contentEncoding = at(7);
@@ -315,6 +329,9 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
   }
   if (body.length > 1 && !anyBody) {
     throw new UndecodableError(`its body is ${body.length} data sections, not one`);
+  }
+  for (const [name, type] of idTypes) {
+    fields.push({ name: Buffer.from(name), value: { type: 'S', value: Buffer.from(type) } });
   }
   // The content header: property flags, then each property present, in wire order.
   let flags = 0;

@@ -333,11 +333,10 @@ describe('a stream as source', () => {
       body: Buffer.from(`{"n":${n}}`),
     }));
     await publish091(source, sent091);
-    await writeStream(
-      servers().sourceStreamUrl,
-      source,
-      Array.from({ length: 60 }, (_, n) => streamMessage(n)),
-    );
+    await writeStream(servers().sourceStreamUrl, source, [
+      ...Array.from({ length: 54 }, (_, n) => streamMessage(n)),
+      ...typedIds(),
+    ]);
 
     let bridge: RunningCli = startCli(streamArgs('run', source, toQueue(queue)));
     expect(await waitFor(async () => (await depthOf(targetUrl, queue)) >= 100, 30_000), bridge.output()).toBe(
@@ -531,5 +530,34 @@ function unusualEntries(): Buffer[] {
     Buffer.concat([data('first part, '), data('second part')]),
     data('nothing but a body'),
     Buffer.concat([bigMap, data('a large map')]),
+  ];
+}
+
+/**
+ * Entries whose message-id or correlation-id is not a string, and other properties a stream client
+ * sets (what RabbitMQ 3.10 hands a 0-9-1 consumer of each is what the bridge must forward).
+ */
+function typedIds(): Buffer[] {
+  const section = (descriptor: number, value: Buffer) =>
+    Buffer.concat([Buffer.from([0x00, 0x53, descriptor]), value]);
+  const str8 = (code: number, text: string) =>
+    Buffer.concat([Buffer.from([code, Buffer.byteLength(text)]), Buffer.from(text)]);
+  const list8 = (...items: Buffer[]) => {
+    const body = Buffer.concat(items);
+    return Buffer.concat([Buffer.from([0xc0, body.length + 1, items.length]), body]);
+  };
+  const NULL = Buffer.from([0x40]);
+  const data = section(0x75, str8(0xa0, 'typed'));
+  const properties = (...items: Buffer[]) => Buffer.concat([section(0x73, list8(...items)), data]);
+  const ulong = Buffer.from([0x80, 0, 0, 0, 0, 0, 0, 0x01, 0x00]);
+  const uuid = Buffer.concat([Buffer.from([0x98]), Buffer.from('00112233445566778899aabbccddeeff', 'hex')]);
+  const created = Buffer.from([0x83, 0, 0, 0x01, 0x8b, 0xcf, 0xe5, 0x68, 0x00]);
+  return [
+    properties(ulong),
+    properties(NULL, NULL, NULL, NULL, NULL, uuid),
+    properties(str8(0xa0, 'binary id')),
+    properties(Buffer.from([0x53, 0x07])),
+    properties(NULL, NULL, str8(0xa1, 'to'), str8(0xa1, 'subject')),
+    properties(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, created),
   ];
 }
