@@ -7,7 +7,8 @@ import { ContentHeader } from '../wire/properties.js';
  * message a 0-9-1 client published into the stream comes out as that client sent it (bar what
  * RabbitMQ itself did not store: tables, arrays, cluster-id). Messages other clients wrote over
  * the stream protocol map the same way, value by value (see docs/streams.md); a body that is not
- * data sections (an amqp-value, an amqp-sequence) has no 0-9-1 form and is refused.
+ * one data section (an amqp-value, an amqp-sequence) has no 0-9-1 form and is refused, unless the
+ * copy goes into a stream (`anyBody`), which writes the stored bytes.
  *
  * `replaceApplicationProperties` is the other half of a stream-to-stream copy: the stored bytes as
  * they are, but for the bridge's own entries.
