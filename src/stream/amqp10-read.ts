@@ -231,10 +231,6 @@ function idOf(bytes: Buffer, value: Value): { text: Buffer; type?: string } | un
   return undefined;
 }
 
-function shortstr(value: Buffer): Buffer {
-  if (value.length > 255) throw new UndecodableError('a property longer than 255 bytes has no 0-9-1 form');
-  return Buffer.concat([Buffer.from([value.length]), value]);
-}
 
 /**
  * `stream`: the routing key of a message that names none (one a stream client wrote), as RabbitMQ
@@ -341,8 +337,15 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
     flags |= 0x8000 >> index;
     list.push(bytes);
   };
-  if (props.contentType) put(0, shortstr(props.contentType));
-  if (props.contentEncoding) put(1, shortstr(props.contentEncoding));
+  // A string property over 255 bytes has no 0-9-1 form. A copy into a stream writes the stored
+  // bytes, which keep it: its header, which serves only the ID and the marks, goes without.
+  const short = (index: number, value: Buffer | undefined) => {
+    if (value === undefined) return;
+    if (value.length <= 255) put(index, Buffer.concat([Buffer.from([value.length]), value]));
+    else if (!anyBody) throw new UndecodableError(`a property of ${value.length} bytes has no 0-9-1 form (255 at most)`);
+  };
+  short(0, props.contentType);
+  short(1, props.contentEncoding);
   if (fields.length > 0) {
     const table = encodeTable(fields);
     const size = Buffer.alloc(4);
@@ -351,18 +354,18 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
   }
   if (deliveryMode !== undefined) put(3, Buffer.from([deliveryMode]));
   if (priority !== undefined) put(4, Buffer.from([priority]));
-  if (props.correlationId) put(5, shortstr(props.correlationId));
-  if (props.replyTo) put(6, shortstr(props.replyTo));
-  if (props.expiration) put(7, shortstr(props.expiration));
-  if (props.messageId) put(8, shortstr(props.messageId));
+  short(5, props.correlationId);
+  short(6, props.replyTo);
+  short(7, props.expiration);
+  short(8, props.messageId);
   if (timestamp !== undefined) {
     const stamp = Buffer.alloc(8);
     stamp.writeBigUInt64BE(timestamp, 0);
     put(9, stamp);
   }
-  if (props.type) put(10, shortstr(props.type));
-  if (props.userId) put(11, shortstr(props.userId));
-  if (props.appId) put(12, shortstr(props.appId));
+  short(10, props.type);
+  short(11, props.userId);
+  short(12, props.appId);
   const head = Buffer.alloc(2);
   head.writeUInt16BE(flags, 0);
   return {

@@ -20,6 +20,14 @@ const map8 = (...pairs: Buffer[]) => {
   const body = Buffer.concat(pairs);
   return Buffer.concat([Buffer.from([0xc1, body.length + 1, pairs.length]), body]);
 };
+const list32 = (...items: Buffer[]) => {
+  const body = Buffer.concat(items);
+  const head = Buffer.alloc(9);
+  head.writeUInt8(0xd0, 0);
+  head.writeUInt32BE(body.length + 4, 1);
+  head.writeUInt32BE(items.length, 5);
+  return Buffer.concat([head, body]);
+};
 const NULL = Buffer.from([0x40]);
 const data = (text: string) => section(0x75, str8(0xa0, text));
 
@@ -65,6 +73,19 @@ describe('decodeMessage', () => {
     expect(() => decodeMessage(Buffer.concat([data('a'), data('b')]), 's')).toThrow(/2 data sections/);
     expect(decodeMessage(value, 's', { anyBody: true }).header.bytes.toString('hex')).toBe('0000');
     expect(() => decodeMessage(Buffer.from([0x00, 0x53, 0x75, 0xa0, 0x09, 0x41]), 's')).toThrow(/cut short/);
+  });
+
+  it('leaves a property over 255 bytes out of the header of a copy into a stream, and refuses it into a queue', () => {
+    const long = 'm'.repeat(300);
+    const str32 = Buffer.concat([Buffer.from([0xb1, 0, 0, 1, 0x2c]), Buffer.from(long)]);
+    const entry = Buffer.concat([
+      section(0x73, list32(str32, NULL, NULL, NULL, str8(0xa1, 'replies'))),
+      data('body'),
+    ]);
+    expect(() => decodeMessage(entry, 's')).toThrow(/a property of 300 bytes has no 0-9-1 form/);
+    const copied = decodeMessage(entry, 's', { anyBody: true });
+    expect(copied.header.bytes.toString('hex')).toBe(basicProperties({ replyTo: 'replies' }).toString('hex'));
+    expect(copied.body.toString()).toBe('body');
   });
 });
 
