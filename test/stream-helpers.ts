@@ -503,3 +503,41 @@ export async function writeStream(url: string, stream: string, messages: readonl
     await client.close();
   }
 }
+
+/**
+ * Writes `records` as one sub-batch entry, as the Java, .NET and Python clients' sub-entry batching
+ * does: a Publish whose entry starts with 0x80 | compression << 4, the record count, the records'
+ * size and the batch's. `compress` makes the batch from the records' bytes (each a u32 size and
+ * the message); our client never writes this form, so the frame is built here byte by byte.
+ */
+export async function writeSubBatch(
+  url: string,
+  stream: string,
+  records: readonly Buffer[],
+  compression: number,
+  compress: (plain: Buffer) => Buffer,
+): Promise<void> {
+  const client = await StreamClient.connect({ url, connectionName: 'test sub-batch writer' });
+  try {
+    await client.declarePublisher(9, `sub-batch-${randomBytes(4).toString('hex')}`, stream);
+    const confirmed = new Promise<void>((resolve) => client.on('confirm', () => resolve()));
+    const plain = Buffer.concat(records.flatMap((record) => [u32(record.length), record]));
+    const batch = compress(plain);
+    const entry = Buffer.alloc(11);
+    entry[0] = 0x80 | (compression << 4);
+    entry.writeUInt16BE(records.length, 1);
+    entry.writeUInt32BE(plain.length, 3);
+    entry.writeUInt32BE(batch.length, 7);
+    const head = Buffer.alloc(4 + 2 + 2 + 1 + 4 + 8);
+    head.writeUInt32BE(head.length - 4 + entry.length + batch.length, 0);
+    head.writeUInt16BE(2, 4); // Publish
+    head.writeUInt16BE(1, 6);
+    head[8] = 9;
+    head.writeUInt32BE(1, 9);
+    head.writeBigUInt64BE(1n, 13);
+    (client as unknown as { write(frame: Buffer): boolean }).write(Buffer.concat([head, entry, batch]));
+    await confirmed;
+  } finally {
+    await client.close();
+  }
+}

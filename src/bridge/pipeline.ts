@@ -178,6 +178,11 @@ export class Pipeline {
     return this.refusals.sinceProgress;
   }
 
+  /** Why the last message that has no form the target takes could not be forwarded. */
+  get lastUnforwardable(): string | undefined {
+    return this.refusals.lastUnforwardable;
+  }
+
   get limitReached(): boolean {
     return this.settings.budget.exhausted;
   }

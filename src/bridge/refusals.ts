@@ -43,6 +43,8 @@ export class Refusals {
   readonly retrying = new Set<Entry>();
   /** Failures in a row since the route last moved a message (the stall check reads it). */
   sinceProgress = 0;
+  /** Why the last unreadable or unpublishable message could not be forwarded (migrate names it). */
+  lastUnforwardable: string | undefined;
   private readonly attempts = new BoundedMap<string, number>(MAX_RETRY_MEMORY);
 
   constructor(
@@ -61,7 +63,10 @@ export class Refusals {
   async refuse(entry: Entry, why: Failure, detail?: string): Promise<void> {
     if (why === 'unroutable') this.counters.unroutable++;
     if (why === 'nacked') this.counters.nacked++;
-    if (why === 'unreadable' || why === 'unpublishable') this.counters.unforwardable++;
+    if (why === 'unreadable' || why === 'unpublishable') {
+      this.counters.unforwardable++;
+      this.lastUnforwardable = detail;
+    }
     const named = namedOf(entry.message, entry.idText);
     if (detail !== undefined) {
       this.perMessage.warn({ ...named, reason: why, detail }, `message refused: ${detail}`, `refused ${why}`);

@@ -141,7 +141,7 @@ export async function migrateQueue(
         `(${pipeline.counters.unroutable} unroutable, ${pipeline.counters.nacked} refused, ${pipeline.counters.noId} without an ID, ${pipeline.counters.unforwardable} unforwardable); ` +
         (settings.sourceStream === undefined
           ? `they stay in the source queue: ${stallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable, pipeline.counters.nacked)}`
-          : `the route's position in the stream stays before them, and the next run reads them again: ${streamStallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable)}`);
+          : `the route's position keeps them as holes, and the next run reads them again: ${streamStallAdvice(pipeline.targetSizeLimit, pipeline.counters.unroutable, pipeline.lastUnforwardable)}`);
     } else if (pipeline.heldCount === 0) {
       // Drained: the source is empty, nothing is in flight, and both stay so for the idle timeout.
       const depth = await readDepth();
@@ -327,7 +327,9 @@ function stallAdvice(sizeLimit: number | undefined, unroutable: number, nacked =
 }
 
 /** The same for a stream source, which keeps its messages and has nowhere to set one aside. */
-function streamStallAdvice(sizeLimit: number | undefined, unroutable: number): string {
+function streamStallAdvice(sizeLimit: number | undefined, unroutable: number, unforwardable?: string): string {
+  // An entry the target can never take as it is stored: the reason says what would.
+  if (unforwardable !== undefined) return `the last one that has no form the target takes: ${unforwardable}`;
   if (sizeLimit !== undefined)
     return `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit`;
   return unroutable > 0

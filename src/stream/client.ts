@@ -1,6 +1,7 @@
 import { EventEmitter } from 'node:events';
 import { connect as netConnect, type Socket } from 'node:net';
 import { type ConnectionOptions, connect as tlsConnect } from 'node:tls';
+import zlib from 'node:zlib';
 import { parseStreamUrl, type StreamEndpoint } from '../config/stream-url.js';
 
 /**
@@ -292,6 +293,8 @@ export interface StreamMessage {
   offset: bigint;
   /** The stored message bytes (AMQP 1.0 sections, for messages RabbitMQ or amqp10.ts wrote). */
   data: Buffer;
+  /** Why this offset's message cannot be read (its data is then empty). */
+  unreadable?: string;
 }
 
 export interface Chunk {
@@ -309,8 +312,7 @@ const CHUNK_USER = 0;
 /**
  * Parses the osiris chunk of a Deliver (from its magic/version octet to the frame's end). A
  * filter's bloom between the header and the data (brokers with stream filtering) is skipped, and
- * so is the trailer after the data when the broker sends it. Sub-batch entries are read when uncompressed; a compressed one is an
- * error (the stream target never writes them).
+ * so is the trailer after the data when the broker sends it.
  */
 export function parseChunk(r: Reader): Chunk {
   const magicVersion = r.u8();
@@ -337,35 +339,93 @@ export function parseChunk(r: Reader): Chunk {
   }
   r.slice(skip);
   const dataEnd = r.at + dataLength;
-  const messages: StreamMessage[] = [];
-  if (chunkType === CHUNK_USER) {
-    let offset = firstOffset;
-    const data = new Reader(r.buf, r.at, dataEnd);
-    for (let entry = 0; entry < numEntries; entry++) {
+  const messages =
+    chunkType === CHUNK_USER
+      ? readEntries(new Reader(r.buf, r.at, dataEnd), firstOffset, numEntries, numRecords)
+      : [];
+  r.at = r.end;
+  return { chunkType, firstOffset, timestamp, epoch, numEntries, numRecords, messages };
+}
+
+const COMPRESSION = ['none', 'gzip', 'snappy', 'lz4', 'zstd'];
+// Node 23.8+ has zstd; typed here until @types/node is.
+const zstd = (zlib as unknown as { zstdDecompressSync?: typeof zlib.gunzipSync }).zstdDecompressSync;
+
+/**
+ * A chunk's entries. A plain entry is one message; a sub-batch (a client's sub-entry batching, as
+ * the Java, .NET and Python clients write it) holds several, maybe compressed. What cannot be read
+ * is no fault of the connection: each offset it occupies comes out as an unreadable message that
+ * names why, so the reader holds it and reads the rest; failing the frame would read the same
+ * chunk again after every reconnect, for ever.
+ */
+function readEntries(
+  data: Reader,
+  firstOffset: bigint,
+  numEntries: number,
+  numRecords: number,
+): StreamMessage[] {
+  const out: StreamMessage[] = [];
+  const end = firstOffset + BigInt(numRecords);
+  let offset = firstOffset;
+  const unreadable = (count: bigint, why: string) => {
+    for (const stop = offset + count; offset < stop && offset < end; offset++) {
+      out.push({ offset, data: Buffer.alloc(0), unreadable: why });
+    }
+  };
+  try {
+    for (let entry = 0; entry < numEntries && offset < end; entry++) {
       const head = data.u8();
       if ((head & 0x80) === 0) {
         data.at -= 1;
         const size = data.u32();
-        messages.push({ offset: offset++, data: Buffer.from(data.slice(size)) });
+        out.push({ offset: offset++, data: Buffer.from(data.slice(size)) });
         continue;
       }
       const compression = (head & 0x70) >> 4;
       const records = data.u16();
-      data.u32(); // uncompressed length
+      const uncompressed = data.u32();
       const length = data.u32();
-      const body = new Reader(r.buf, data.at, data.at + length);
-      data.slice(length);
-      if (compression !== 0) {
-        throw new StreamFrameError(`a sub-batch with compression ${compression} cannot be read`);
+      const batch = data.slice(length);
+      let plain: Buffer;
+      try {
+        plain = decompress(compression, batch, uncompressed);
+      } catch (error) {
+        unreadable(BigInt(records), (error as Error).message);
+        continue;
       }
+      const body = new Reader(plain, 0, plain.length);
       for (let i = 0; i < records; i++) {
-        const size = body.u32();
-        messages.push({ offset: offset++, data: Buffer.from(body.slice(size)) });
+        if (body.end - body.at < 4 || body.end - body.at - 4 < plain.readUInt32BE(body.at)) {
+          unreadable(BigInt(records - i), `a sub-batch of ${records} messages whose bytes end after ${i}`);
+          break;
+        }
+        out.push({ offset: offset++, data: Buffer.from(body.slice(body.u32())) });
       }
     }
+  } catch {
+    // The entries run past the chunk's data: what is left of its offsets cannot be told apart.
   }
-  r.at = r.end;
-  return { chunkType, firstOffset, timestamp, epoch, numEntries, numRecords, messages };
+  unreadable(end - offset, `the chunk at offset ${firstOffset} ends before its ${numRecords} messages do`);
+  return out;
+}
+
+/** A sub-batch's bytes, uncompressed: gzip and zstd; snappy and lz4 have no codec in Node. */
+function decompress(compression: number, batch: Buffer, uncompressed: number): Buffer {
+  const name = COMPRESSION[compression] ?? `type ${compression}`;
+  // The stated size bounds the output: a batch that inflates past it is not what was written.
+  const limit = { maxOutputLength: Math.max(uncompressed, 1) };
+  try {
+    if (compression === 0) return batch;
+    if (compression === 1) return zlib.gunzipSync(batch, limit);
+    if (compression === 4 && zstd) return zstd(batch, limit);
+  } catch (error) {
+    throw new Error(
+      `a sub-batch compressed with ${name} that does not decompress: ${(error as Error).message}`,
+    );
+  }
+  throw new Error(
+    `a sub-batch compressed with ${name}, which this bridge cannot read (it reads gzip and zstd); have the producer use one of those, or none`,
+  );
 }
 
 // ---- the client ------------------------------------------------------------------------------

@@ -1,3 +1,4 @@
+import zlib from 'node:zlib';
 import { describe, expect, it } from 'vitest';
 import { parseChunk, Reader, StreamFrameError } from '../../src/stream/client.js';
 
@@ -11,15 +12,24 @@ function simple(data: string): Buffer {
   return Buffer.concat([head, body]);
 }
 
-function subBatch(records: string[]): Buffer {
-  const body = Buffer.concat(records.map(simple));
+/** A sub-batch as the Java, .NET and Python clients write one: `compress` the records' bytes. */
+function subBatch(
+  records: string[],
+  { compression = 0, compress = (b: Buffer) => b, count = records.length } = {},
+): Buffer {
+  const plain = Buffer.concat(records.map(simple));
+  const body = compress(plain);
   const head = Buffer.alloc(11);
-  head[0] = 0x80;
-  head.writeUInt16BE(records.length, 1);
-  head.writeUInt32BE(body.length, 3);
+  head[0] = 0x80 | (compression << 4);
+  head.writeUInt16BE(count, 1);
+  head.writeUInt32BE(plain.length, 3);
   head.writeUInt32BE(body.length, 7);
   return Buffer.concat([head, body]);
 }
+
+const zstd = (zlib as unknown as { zstdCompressSync: (b: Buffer) => Buffer }).zstdCompressSync;
+const shown = (parsed: ReturnType<typeof read>) =>
+  parsed.messages.map((m) => [m.offset, m.unreadable ?? m.data.toString()]);
 
 function chunk(
   entries: Buffer[],
@@ -61,6 +71,46 @@ describe('osiris chunks', () => {
       [101n, 'y'],
       [102n, 'z'],
       [103n, 'w'],
+    ]);
+  });
+
+  it('gzip and zstd sub-batches are read; snappy and lz4 ones, or one that does not inflate, are one unreadable message per offset', () => {
+    const gzip = subBatch(['g1', 'g2'], { compression: 1, compress: (b) => zlib.gzipSync(b) });
+    const zst = subBatch(['z1', 'z2', 'z3'], { compression: 4, compress: zstd });
+    expect(shown(read(chunk([gzip, simple('s'), zst], 6)))).toEqual([
+      [100n, 'g1'],
+      [101n, 'g2'],
+      [102n, 's'],
+      [103n, 'z1'],
+      [104n, 'z2'],
+      [105n, 'z3'],
+    ]);
+    const snappy = /compressed with snappy, which this bridge cannot read \(it reads gzip and zstd\)/;
+    const parsed = read(chunk([subBatch(['a', 'b'], { compression: 2 }), simple('after')], 3));
+    expect(parsed.messages.map((m) => m.offset)).toEqual([100n, 101n, 102n]);
+    expect(parsed.messages[0]?.unreadable).toMatch(snappy);
+    expect(parsed.messages[1]?.unreadable).toMatch(snappy);
+    expect(parsed.messages[2]).toEqual({ offset: 102n, data: Buffer.from('after') });
+    const broken = read(chunk([subBatch(['a'], { compression: 1 }), simple('after')], 2));
+    expect(broken.messages[0]?.unreadable).toMatch(/compressed with gzip that does not decompress/);
+    expect(broken.messages[1]?.data.toString()).toBe('after');
+  });
+
+  it('a sub-batch that says more records than it holds, and entries past the chunk, are unreadable offsets, not a frame error', () => {
+    const short = read(chunk([subBatch(['a', 'b'], { count: 4 }), simple('c')], 5));
+    expect(shown(short)).toEqual([
+      [100n, 'a'],
+      [101n, 'b'],
+      [102n, 'a sub-batch of 4 messages whose bytes end after 2'],
+      [103n, 'a sub-batch of 4 messages whose bytes end after 2'],
+      [104n, 'c'],
+    ]);
+    // Two entries announced, one there: the second's offset cannot be read.
+    const cut = chunk([simple('a')], 2);
+    cut.writeUInt16BE(2, 2);
+    expect(shown(read(cut))).toEqual([
+      [100n, 'a'],
+      [101n, 'the chunk at offset 100 ends before its 2 messages do'],
     ]);
   });
 
