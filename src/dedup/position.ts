@@ -2,12 +2,75 @@ import { readFileSync } from 'node:fs';
 import type { RedisClient } from './redis.js';
 
 /**
- * Where a stream source route has read up to: the offset of the first message it has not settled
- * (forwarded and committed, or a duplicate of one that was), kept in Redis next to the dedup
- * records of the same scope, `<prefix>:{<scope>}:position:<source>`. Kept in Redis rather than by
- * the stream's own offset tracking because a Redis write is answered (a position the bridge
- * reports is one Redis holds), it needs no write permission on the source, and the source broker
- * of a migration is left as it was.
+ * What a stream source route has settled (forwarded and committed, or found a duplicate of what
+ * was): every offset before `next` but those in `holes`, inclusive ranges in ascending order. A
+ * message the route cannot forward (unroutable, say) is a hole, and the route reads on past it:
+ * a restart reads the holes again and skips what was settled around them, however long ago.
+ * A plain "first offset not settled" would send every later message again once the dedup window
+ * has forgotten them.
+ */
+export interface ReadPosition {
+  next: bigint;
+  holes: readonly (readonly [first: bigint, last: bigint])[];
+}
+
+/** Holes kept at most: past them, `next` is cut back to the first hole left out (read again). */
+const MAX_HOLES = 256;
+
+/** The first offset a route at `position` reads. */
+export function firstToRead(position: ReadPosition): bigint {
+  return position.holes[0]?.[0] ?? position.next;
+}
+
+/** Whether `offset` was settled by the route at `position`. */
+export function isSettled(position: ReadPosition, offset: bigint): boolean {
+  return offset < position.next && !position.holes.some(([first, last]) => offset >= first && offset <= last);
+}
+
+/**
+ * The position of a route that settled everything before `next` but `unsettled` (ascending
+ * offsets); past MAX_HOLES ranges, `next` moves back to the first range left out.
+ */
+export function positionOf(next: bigint, unsettled: Iterable<bigint>): ReadPosition {
+  const holes: [bigint, bigint][] = [];
+  for (const offset of unsettled) {
+    if (offset >= next) break;
+    const last = holes[holes.length - 1];
+    if (last && offset === last[1] + 1n) last[1] = offset;
+    else if (holes.length === MAX_HOLES) return { next: offset, holes };
+    else holes.push([offset, offset]);
+  }
+  return { next, holes };
+}
+
+/** As stored: `next`, then each hole as `first` or `first-last`, space separated, in decimal. */
+export function encodePosition(position: ReadPosition): string {
+  const holes = position.holes.map(([first, last]) => (first === last ? `${first}` : `${first}-${last}`));
+  return [String(position.next), ...holes].join(' ');
+}
+
+export function parsePosition(text: string): ReadPosition {
+  const [next = '', ...holes] = text.split(' ');
+  const number = (part: string) => {
+    if (!/^\d+$/.test(part))
+      throw new Error(`a stored stream position "${text}" is not one this version wrote`);
+    return BigInt(part);
+  };
+  return {
+    next: number(next),
+    holes: holes.map((hole) => {
+      const [first = '', last = first] = hole.split('-');
+      return [number(first), number(last)] as const;
+    }),
+  };
+}
+
+/**
+ * A route's position in Redis, next to the dedup records of the same scope,
+ * `<prefix>:{<scope>}:position:<source>`. Kept in Redis rather than by the stream's own offset
+ * tracking because a Redis write is answered (a position the bridge reports is one Redis holds),
+ * it needs no write permission on the source, and the source broker of a migration is left as
+ * it was.
  */
 export class PositionStore {
   private readonly key: string;
@@ -29,24 +92,24 @@ export class PositionStore {
   }
 
   /** The stored position, or undefined for a route that has stored none. */
-  async load(): Promise<bigint | undefined> {
+  async load(): Promise<ReadPosition | undefined> {
     const text = await this.redis.get(this.key);
-    return text === null ? undefined : BigInt(text);
+    return text === null ? undefined : parsePosition(text);
   }
 
   /**
    * Stores `first` as a new route's position unless one is stored already (another replica of the
    * route started first and may be reading from it); returns the position kept.
    */
-  async init(first: bigint): Promise<bigint> {
+  async init(first: bigint): Promise<ReadPosition> {
     await this.redis.set(this.key, first.toString(), 'NX');
-    return (await this.load()) ?? first;
+    return (await this.load()) ?? { next: first, holes: [] };
   }
 
-  /** Raises the stored position to `next` (never lowers it); returns the position kept. */
-  async save(next: bigint): Promise<bigint> {
+  /** Stores `position` unless the one stored has a later `next`; returns the position kept. */
+  async save(position: ReadPosition): Promise<ReadPosition> {
     const call = (this.redis as unknown as Record<string, (key: string, value: string) => Promise<string>>)
       .dedupBridge_position_save as (key: string, value: string) => Promise<string>;
-    return BigInt(await call.call(this.redis, this.key, next.toString()));
+    return parsePosition(await call.call(this.redis, this.key, encodePosition(position)));
   }
 }

@@ -1,6 +1,7 @@
 import type { ConnectionOptions } from 'node:tls';
 import { backoffDelay, sleep, sleepUnlessStopped } from '../backoff.js';
 import { redactStreamUrl } from '../config/stream-url.js';
+import { encodePosition, firstToRead, isSettled, positionOf, type ReadPosition } from '../dedup/position.js';
 import { type BridgeError, ConfigError, describe, FatalConnectError, RuntimeFailure } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { Delivery, SourceSide } from '../ports.js';
@@ -11,16 +12,17 @@ import {
   type OffsetSpec,
   StreamClient,
   type StreamConnectOptions,
+  type StreamMessage,
   StreamResponseError,
 } from './client.js';
 import { connectAtStart, type StreamEnd } from './connect.js';
 import { streamExists } from './streams.js';
 
-/** Where the route has read up to, kept across runs (src/dedup/position.ts). */
+/** What the route has settled, kept across runs (src/dedup/position.ts). */
 export interface Position {
-  load(): Promise<bigint | undefined>;
-  init(first: bigint): Promise<bigint>;
-  save(next: bigint): Promise<bigint>;
+  load(): Promise<ReadPosition | undefined>;
+  init(first: bigint): Promise<ReadPosition>;
+  save(position: ReadPosition): Promise<ReadPosition>;
 }
 
 export interface StreamSourceOptions {
@@ -90,11 +92,11 @@ interface Tail {
 
 /**
  * A RabbitMQ stream as source, over the stream protocol. Messages are delivered in offset order;
- * the pipeline settles them in any order, and the route's position (the first offset not yet
- * settled) goes to Redis only ever forward, so a restart reads again from a message that is not
- * settled and never past one. What it reads again is a duplicate to the dedup cache. Acks are the
- * bridge's own bookkeeping: a lost connection takes nothing back, and the reader continues after
- * the last message it delivered.
+ * the pipeline settles them in any order, and the route's position (what it settled: every offset
+ * before one, but the holes it names) goes to Redis, so a restart reads again every message that
+ * is not settled and none that is. A message held because it cannot be forwarded is a hole: the
+ * route reads on past it. Acks are the bridge's own bookkeeping: a lost connection takes nothing
+ * back, and the reader continues after the last message it delivered.
  */
 export class StreamSource implements SourceSide {
   onFatal: (error: BridgeError) => void = () => {};
@@ -107,10 +109,13 @@ export class StreamSource implements SourceSide {
   private closed = false;
   private consuming = false;
   private onDelivery: ((delivery: Delivery) => void) | undefined;
-  /** Delivered and not yet past the position, in offset order, from `head` on. */
-  private readonly pending: StreamDelivery[] = [];
-  private head = 0;
-  /** The offset after the last message delivered; undefined before the first one. */
+  /** Delivered and not settled, by offset, in offset order (deliveries come in that order). */
+  private readonly unsettled = new Map<bigint, StreamDelivery>();
+  /** The offset after the highest one settled in this run. */
+  private settledTop: bigint | undefined;
+  /** The position this run started from: what it settled is not delivered again. */
+  private loaded: ReadPosition | undefined;
+  /** The offset after the last message delivered (or skipped as settled); undefined before. */
   private nextOffset: bigint | undefined;
   /** Where the first subscription starts when nothing was delivered yet. */
   private from: OffsetSpec;
@@ -118,7 +123,8 @@ export class StreamSource implements SourceSide {
   private end: bigint | undefined;
   private held = 0;
   private credits = 0;
-  private saved: bigint | undefined;
+  /** The position Redis holds, as far as this reader knows. */
+  private saved: ReadPosition | undefined;
   private saving: Promise<void> | undefined;
   private saveFailing = false;
   private saveTimer: NodeJS.Timeout | undefined;
@@ -128,8 +134,8 @@ export class StreamSource implements SourceSide {
   /** Set at start, once the stream's cluster is known (the position is named after it). */
   private position: Position = {
     load: async () => undefined,
-    init: async (first) => first,
-    save: async (next) => next,
+    init: async (first) => ({ next: first, holes: [] }),
+    save: async (position) => position,
   };
 
   constructor(
@@ -175,17 +181,19 @@ export class StreamSource implements SourceSide {
       const tail = needsTail ? await this.tail(client) : undefined;
       if (stored !== undefined) {
         const end = tail?.end ?? 0n;
-        if (end < stored) {
+        if (end < stored.next) {
           throw new ConfigError(
-            `${this.where} ends at offset ${end}, but this route has read it up to offset ${stored}: the stream was deleted and created again (or it did not answer within ${PROBE_WAIT_MS / 1000}s); its new messages would take the old ones' IDs, so nothing is read: forward it under a new --scope`,
+            `${this.where} ends at offset ${end}, but this route has read it up to offset ${stored.next}: the stream was deleted and created again (or it did not answer within ${PROBE_WAIT_MS / 1000}s); its new messages would take the old ones' IDs, so nothing is read: forward it under a new --scope`,
           );
         }
-        this.from = { offset: stored };
-        this.saved = stored;
+        this.loaded = stored;
       } else if (this.from === 'next' || this.from === 'last') {
         const at = tail === undefined ? 0n : this.from === 'next' ? tail.end : tail.first;
-        this.saved = await this.position.init(at);
-        this.from = { offset: this.saved };
+        this.loaded = await this.position.init(at);
+      }
+      if (this.loaded) {
+        this.saved = this.loaded;
+        this.from = { offset: firstToRead(this.loaded) };
       }
       if (this.options.toEnd) this.end = tail?.end ?? 0n;
     } catch (error) {
@@ -238,18 +246,14 @@ export class StreamSource implements SourceSide {
     const message = delivery as StreamDelivery;
     if (message.settled) return false;
     message.settled = true;
+    this.unsettled.delete(message.offset);
+    if (this.settledTop === undefined || message.offset >= this.settledTop)
+      this.settledTop = message.offset + 1n;
     this.release(message);
-    // The position moves past every settled message at its head.
-    while (this.head < this.pending.length && (this.pending[this.head] as StreamDelivery).settled)
-      this.head++;
-    if (this.head > 1024 && this.head * 2 > this.pending.length) {
-      this.pending.splice(0, this.head);
-      this.head = 0;
-    }
     return true;
   }
 
-  /** Not settled: the position stays at or before it, so the next run reads it again. */
+  /** Not settled: it stays a hole in the position, so the next run reads it again. */
   requeue(delivery: Delivery): boolean {
     const message = delivery as StreamDelivery;
     if (message.settled) return false;
@@ -285,14 +289,27 @@ export class StreamSource implements SourceSide {
     return { consuming: this.consuming && this.client !== undefined, paused: false };
   }
 
-  /** The position: the first offset not settled, or the one after the last delivered. */
-  get positionNow(): bigint | undefined {
-    const first = this.pending[this.head];
-    if (first !== undefined) return first.offset;
-    return (
-      this.nextOffset ??
-      (typeof this.from === 'object' && 'offset' in this.from ? this.from.offset : undefined)
-    );
+  /**
+   * What this route has settled: what it started from, and what it settled since. The holes are
+   * the messages delivered and not settled, and those of the start's holes not yet read again.
+   */
+  get positionNow(): ReadPosition | undefined {
+    let next = this.loaded?.next;
+    if (this.settledTop !== undefined && (next === undefined || this.settledTop > next))
+      next = this.settledTop;
+    if (next === undefined) return undefined;
+    return positionOf(next, this.unsettledOffsets());
+  }
+
+  /** Ascending: the deliveries not settled, then the start's holes not yet delivered again. */
+  private *unsettledOffsets(): Generator<bigint> {
+    yield* this.unsettled.keys();
+    const read = this.nextOffset ?? this.startOffset;
+    for (const [first, last] of this.loaded?.holes ?? []) {
+      let offset = first;
+      if (offset < read) offset = read;
+      for (; offset <= last; offset++) yield offset;
+    }
   }
 
   async closeConsumer(): Promise<void> {
@@ -302,8 +319,7 @@ export class StreamSource implements SourceSide {
     // The last settlements: a few tries, then the next run reads those messages again.
     for (let attempt = 1; attempt <= 5; attempt++) {
       await this.save();
-      const now = this.positionNow;
-      if (now === undefined || (this.saved !== undefined && this.saved >= now)) return;
+      if (!this.unsaved()) return;
       await sleep(backoffDelay(attempt, 50, 500));
     }
   }
@@ -359,9 +375,14 @@ export class StreamSource implements SourceSide {
       if (this.nextOffset !== undefined ? stored.offset < this.nextOffset : stored.offset < this.startOffset)
         continue;
       if (this.end !== undefined && stored.offset >= this.end) break;
-      const message = this.read(stored.offset, stored.data);
+      // Settled in an earlier run, around a hole read again.
+      if (this.loaded && isSettled(this.loaded, stored.offset)) {
+        this.nextOffset = stored.offset + 1n;
+        continue;
+      }
+      const message = this.read(stored);
       this.nextOffset = stored.offset + 1n;
-      this.pending.push(message);
+      this.unsettled.set(message.offset, message);
       this.held++;
       this.bytes.held += message.content.length;
       if (this.bytes.held > this.bytes.peak) this.bytes.peak = this.bytes.held;
@@ -375,8 +396,9 @@ export class StreamSource implements SourceSide {
     this.topUp();
   }
 
-  private read(offset: bigint, data: Buffer): StreamDelivery {
+  private read({ offset, data, unreadable }: StreamMessage): StreamDelivery {
     try {
+      if (unreadable !== undefined) throw new Error(unreadable);
       const decoded = decodeMessage(data, this.options.stream, { anyBody: this.options.storedBytes });
       return new StreamDelivery(
         offset,
@@ -393,11 +415,19 @@ export class StreamSource implements SourceSide {
     }
   }
 
+  /** The position to write, when it differs from what Redis holds (and is not behind it). */
+  private unsaved(): ReadPosition | undefined {
+    const now = this.positionNow;
+    if (now === undefined || this.saved === undefined) return now;
+    if (this.saved.next > now.next || encodePosition(this.saved) === encodePosition(now)) return undefined;
+    return now;
+  }
+
   /** Writes the position when it moved; one write at a time. */
   private save(): Promise<void> {
     if (this.saving) return this.saving;
-    const now = this.positionNow;
-    if (now === undefined || (this.saved !== undefined && now <= this.saved)) return Promise.resolve();
+    const now = this.unsaved();
+    if (now === undefined) return Promise.resolve();
     this.saving = this.position
       .save(now)
       .then(
@@ -423,23 +453,38 @@ export class StreamSource implements SourceSide {
   }
 
   /**
-   * The stream's last chunk, through a subscription of its own at `last`; undefined when none came
-   * within the probe's wait (an empty stream).
+   * The stream's last chunk, through a subscription of its own at `last`; undefined for an empty
+   * stream. The broker sends a non-empty stream's last chunk right after its answer to the
+   * subscribe, so by the answer to a request sent after that, the chunk has come: a line however
+   * slow cannot make a stream look empty. The wait on top (from the subscribe) is for a broker that
+   * sends the chunk later.
    */
   private async tail(client: StreamClient): Promise<Tail | undefined> {
     let onChunk: ((id: number, chunk: Chunk) => void) | undefined;
+    let found: Tail | undefined;
+    let arrived: () => void = () => {};
     try {
-      const found = new Promise<Tail | undefined>((resolve) => {
-        const timer = setTimeout(() => resolve(undefined), PROBE_WAIT_MS);
-        onChunk = (id, chunk) => {
-          if (id !== PROBE) return;
-          clearTimeout(timer);
-          resolve({ first: chunk.firstOffset, end: chunk.firstOffset + BigInt(chunk.numRecords) });
-        };
-        client.on('chunk', onChunk);
+      const came = new Promise<void>((resolve) => {
+        arrived = resolve;
       });
+      onChunk = (id, chunk) => {
+        if (id !== PROBE || found) return;
+        found = { first: chunk.firstOffset, end: chunk.firstOffset + BigInt(chunk.numRecords) };
+        arrived();
+      };
+      client.on('chunk', onChunk);
+      const asked = Date.now();
       await client.subscribe(PROBE, this.options.stream, 'last', 1, { manualCredit: true });
-      return await found;
+      await streamExists(client, this.options.stream);
+      if (!found) {
+        let timer: NodeJS.Timeout | undefined;
+        const waited = new Promise<void>((resolve) => {
+          timer = setTimeout(resolve, Math.max(0, PROBE_WAIT_MS - (Date.now() - asked)));
+        });
+        await Promise.race([came, waited]);
+        clearTimeout(timer);
+      }
+      return found;
     } finally {
       if (onChunk) client.off('chunk', onChunk);
       if (client.isOpen) await client.unsubscribe(PROBE).catch(() => {});

@@ -82,6 +82,53 @@ class PacedLink {
   };
 }
 
+const STREAM_DELIVER = 0x0008;
+
+/** Stream frames from a server on their way to one client, each Deliver held back; in order. */
+class LateDeliveries {
+  private partial: Buffer = Buffer.alloc(0);
+  private readonly queue: { frame: Buffer; at: number }[] = [];
+  private timer: NodeJS.Timeout | undefined;
+
+  constructor(
+    private readonly to: Socket,
+    private readonly delayed: () => void,
+  ) {}
+
+  get busy(): boolean {
+    return this.queue.length > 0 || this.partial.length > 0;
+  }
+
+  add(data: Buffer, delayMs: number): void {
+    const bytes = Buffer.concat([this.partial, data]);
+    let at = 0;
+    while (bytes.length - at >= 6) {
+      const end = at + 4 + bytes.readUInt32BE(at);
+      if (bytes.length < end) break;
+      const deliver = (bytes.readUInt16BE(at + 4) & 0x7fff) === STREAM_DELIVER;
+      if (deliver && delayMs > 0) this.delayed();
+      const last = this.queue[this.queue.length - 1]?.at ?? 0;
+      this.queue.push({
+        frame: bytes.subarray(at, end),
+        at: Math.max(last, Date.now() + (deliver ? delayMs : 0)),
+      });
+      at = end;
+    }
+    this.partial = Buffer.from(bytes.subarray(at));
+    if (!this.timer) this.pump();
+  }
+
+  private pump = (): void => {
+    this.timer = undefined;
+    while (this.queue.length > 0 && (this.queue[0] as { at: number }).at <= Date.now()) {
+      const { frame } = this.queue.shift() as { frame: Buffer };
+      if (!this.to.destroyed) this.to.write(frame);
+    }
+    const next = this.queue[0];
+    if (next && !this.timer) this.timer = setTimeout(this.pump, Math.max(1, next.at - Date.now()));
+  };
+}
+
 /** A frame of type 1 on channel 0, empty, without its end octet (0xCE): amqplib cannot parse it. */
 const BAD_FRAME = Buffer.from([1, 0, 0, 0, 0, 0, 0, 0]);
 
@@ -108,6 +155,7 @@ export class FaultProxy {
   private held: [Socket, Buffer][] = [];
   private cutAfter: number | undefined;
   private delayMs = 0;
+  private deliveryDelayMs = 0;
   private poisonConsumeOk = false;
   /** AMQP methods (class << 16 | method) the server sends that never reach the client. */
   private readonly swallowed = new Set<number>();
@@ -121,6 +169,8 @@ export class FaultProxy {
     down: new PacedLink(undefined, (to, chunk) => this.deliver(to, chunk)),
   };
   port = 0;
+  /** Stream Deliver frames held back by delayStreamDeliveries. */
+  deliveriesDelayed = 0;
   /** Bytes the clients sent towards the server so far (what a fault test reads to time a fault). */
   clientBytes = 0;
 
@@ -166,9 +216,14 @@ export class FaultProxy {
       lanes.push([link, lane]);
       // Server bytes not yet a whole frame, while frames are being swallowed.
       let partial: Buffer = Buffer.alloc(0);
+      const lateDeliveries = new LateDeliveries(to, () => this.deliveriesDelayed++);
       from.on('data', (data: Buffer) => {
         // Cut: what came after the cut point never reaches the server.
         if (lane.cut) return;
+        if (from === upstream && (this.deliveryDelayMs > 0 || lateDeliveries.busy)) {
+          lateDeliveries.add(data, this.deliveryDelayMs);
+          return;
+        }
         if (from === client) this.clientBytes += data.length;
         let chunk = data;
         if (from === upstream && (this.swallowed.size > 0 || partial.length > 0)) {
@@ -277,6 +332,14 @@ export class FaultProxy {
 
   setDelay(ms: number): void {
     this.delayMs = ms;
+  }
+
+  /**
+   * Stream protocol: each Deliver frame from the server reaches the client `ms` late, and what
+   * follows it waits behind it (a broker slow to read a chunk from disk); 0 stops delaying.
+   */
+  delayStreamDeliveries(ms: number): void {
+    this.deliveryDelayMs = ms;
   }
 
   /** Caps each direction of the line at `bytesPerSecond` (a slow line), or lifts the cap. */

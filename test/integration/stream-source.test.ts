@@ -1,8 +1,11 @@
+import zlib, { gzipSync } from 'node:zlib';
+import { Redis } from 'ioredis';
 import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
 import { createLogger } from '../../src/observe/log.js';
 import { ContentHeader } from '../../src/wire/properties.js';
+import { FaultProxy } from '../harness/proxy.js';
 import {
   declareQueue,
   depthOf,
@@ -27,6 +30,7 @@ import {
   StreamWatch,
   streamMessage,
   writeStream,
+  writeSubBatch,
 } from '../stream-helpers.js';
 import { basicProperties, everyScalarField, field, longString, table } from '../wire.js';
 
@@ -36,6 +40,25 @@ import { basicProperties, everyScalarField, field, longString, table } from '../
 // stream client writes them) and over 0-9-1 (RabbitMQ's own mapping).
 
 const log = createLogger('silent');
+// Node 23.8+ has zstd; typed here until @types/node is.
+const zstdCompressSync = (zlib as unknown as { zstdCompressSync: (plain: Buffer) => Buffer })
+  .zstdCompressSync;
+
+/** Lost, duplicated and unexpected IDs among those received, printed with the label. */
+function countIds(label: string, expected: readonly string[], received: readonly string[]) {
+  const want = new Set(expected);
+  const seen = new Map<string, number>();
+  for (const id of received) seen.set(id, (seen.get(id) ?? 0) + 1);
+  const figures = {
+    expected: want.size,
+    received: received.length,
+    lost: expected.filter((id) => !seen.has(id)).length,
+    duplicated: [...seen.values()].reduce((sum, n) => sum + n - 1, 0),
+    unexpected: [...seen.keys()].filter((id) => !want.has(id)).length,
+  };
+  process.stdout.write(`${label}: ${JSON.stringify(figures)}\n`);
+  return figures;
+}
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 const ROUTE = 'x-dedup-route';
 
@@ -396,8 +419,9 @@ describe('a stream as source', () => {
     });
   });
 
-  it('the position never passes a message that is not forwarded: an unroutable one holds it, and the next run goes on from it', async () => {
-    const { sourceStreamUrl, targetUrl } = servers();
+  it('a message that is not forwarded is a hole in the position: the next run, long past the dedup window, reads it and none of those forwarded around it', async () => {
+    const { sourceStreamUrl, targetUrl, redisUrl } = servers();
+    const scope = uniqueName('hole-scope');
     const source = uniqueName('src-stream');
     const exchange = uniqueName('dst-exchange');
     const queue = uniqueName('dst-queue');
@@ -414,7 +438,7 @@ describe('a stream as source', () => {
         source,
         Array.from({ length: 100 }, (_, n) => keyOf(n)),
       );
-      const target = ['--target', targetUrl, '--target-exchange', exchange];
+      const target = ['--target', targetUrl, '--target-exchange', exchange, '--scope', scope];
       const stalled = await migrateWithReport(streamArgs('migrate', source, target, '--retry-for', '2s'));
       expect(stalled.code, stalled.stderr).toBe(1);
       // The one unroutable message was tried, held and tried again (each try is counted).
@@ -422,17 +446,140 @@ describe('a stream as source', () => {
       expect(stalled.stderr).toMatch(/1 message\(s\) could not be forwarded/);
       expect(await depthOf(targetUrl, queue)).toBe(99);
 
+      // The dedup window passes: the scope's records of what was forwarded are gone; its stored
+      // position is all that says offsets 51-99 went.
+      const redis = new Redis(redisUrl);
+      try {
+        const records = (await redis.keys(`*{${scope}}*`)).filter((key) => !/:(position|layout)\b/.test(key));
+        expect(records.length).toBeGreaterThan(0);
+        await redis.del(...records);
+      } finally {
+        redis.disconnect();
+      }
       await channel.bindQueue(queue, exchange, 'b');
       const next = await migrateWithReport(streamArgs('migrate', source, target));
       expect(next.code, next.stderr).toBe(0);
-      // Read again from offset 50: the one message, and 49 duplicates of what went before.
-      expect(next.report, JSON.stringify(next.report)).toMatchObject({ forwarded: 1, duplicates: 49 });
+      // Only offset 50 is read again.
+      expect(next.report, JSON.stringify(next.report)).toMatchObject({
+        consumed: 1,
+        forwarded: 1,
+        duplicates: 0,
+      });
       const arrived = await takeRaw(targetUrl, queue);
       const ids = new Set(arrived.map((message) => message.id.replace(/^.*@/, '@')));
       expect({ received: arrived.length, distinct: ids.size }).toEqual({ received: 100, distinct: 100 });
     } finally {
       await connection.close();
     }
+  });
+
+  it('sub-batches other clients write: gzip and zstd ones are copied in order into a stream and a queue; a snappy one is held and named, and nothing around it is lost or copied twice', async () => {
+    const { sourceStreamUrl, targetStreamUrl, targetUrl } = servers();
+    const source = uniqueName('src-stream');
+    const target = uniqueName('dst-stream');
+    const queue = uniqueName('dst-queue');
+    await createStream(sourceStreamUrl, source);
+    await createStream(targetStreamUrl, target);
+    await declareQueue(targetUrl, queue);
+    const entries = (from: number, count: number) =>
+      Array.from({ length: count }, (_, k) => streamMessage(from + k, { messageId: `m-${from + k}` }));
+    await writeStream(sourceStreamUrl, source, entries(0, 10));
+    await writeSubBatch(sourceStreamUrl, source, entries(10, 5), 1, (plain) => gzipSync(plain));
+    await writeSubBatch(sourceStreamUrl, source, entries(15, 5), 4, zstdCompressSync);
+    await writeStream(sourceStreamUrl, source, entries(20, 10));
+
+    const copied = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
+    expect(copied.code, copied.stderr).toBe(0);
+    expect(copied.report, JSON.stringify(copied.report)).toMatchObject({ forwarded: 30, unforwardable: 0 });
+    const sourceAll = await readStored(sourceStreamUrl, source, { count: 30 });
+    expect(sourceAll.map((m) => m.body.toString())).toEqual(
+      Array.from({ length: 30 }, (_, n) => `body ${n}`),
+    );
+    expectReplica('sub-batches', sourceAll, await readStored(targetStreamUrl, target, { count: 30 }), source);
+
+    const queued = await migrateWithReport(streamArgs('migrate', source, toQueue(queue)));
+    expect(queued.code, queued.stderr).toBe(0);
+    const arrived = await takeRaw(targetUrl, queue);
+    const count = countIds(
+      'sub-batches into a queue',
+      Array.from({ length: 30 }, (_, n) => `@${n}`),
+      arrived.map((m) => m.id.replace(/^.*@/, '@')),
+    );
+    expect(count).toEqual({ expected: 30, received: 30, lost: 0, duplicated: 0, unexpected: 0 });
+    expect(arrived.map((m) => m.body.toString())).toEqual(Array.from({ length: 30 }, (_, n) => `body ${n}`));
+
+    // Snappy has no codec in Node: its 3 offsets are held, named, and the 5 after them forwarded.
+    await writeSubBatch(sourceStreamUrl, source, entries(30, 3), 2, (plain) => plain);
+    await writeStream(sourceStreamUrl, source, entries(33, 5));
+    for (const run of ['first', 'again']) {
+      const held = await migrateWithReport(
+        streamArgs('migrate', source, toStream(target), '--retry-for', '2s'),
+      );
+      expect(held.code, held.stderr).toBe(1);
+      expect(held.stderr).toMatch(/compressed with snappy, which this bridge cannot read/);
+      expect(held.stderr).toMatch(/3 message\(s\) could not be forwarded/);
+      expect(held.report, `${run}: ${JSON.stringify(held.report)}`).toMatchObject({
+        forwarded: run === 'first' ? 5 : 0,
+      });
+    }
+    const replica = await readStored(targetStreamUrl, target, { idleMs: 1500 });
+    const ids = replica.map((m) => (m.id ?? '').replace(/^.*@/, '@'));
+    const expected = [...Array.from({ length: 30 }, (_, n) => `@${n}`), '@33', '@34', '@35', '@36', '@37'];
+    expect(countIds('after the snappy batch', expected, ids)).toEqual({
+      expected: 35,
+      received: 35,
+      lost: 0,
+      duplicated: 0,
+      unexpected: 0,
+    });
+    expect(ids).toEqual(expected);
+  });
+
+  it('a source slow to send its chunks: migrate finds the end of the stream all the same, copies all of it, and a re-run goes on from its position', async () => {
+    const { sourceStreamUrl, targetStreamUrl } = servers();
+    const source = uniqueName('src-stream');
+    const target = uniqueName('dst-stream');
+    await createStream(sourceStreamUrl, source);
+    await createStream(targetStreamUrl, target);
+    await writeStream(
+      sourceStreamUrl,
+      source,
+      Array.from({ length: 200 }, (_, n) => streamMessage(n)),
+    );
+    // Every chunk reaches the bridge 3.5 s late, past the 3 s the end probe waits at most.
+    const proxy = FaultProxy.forUrl(sourceStreamUrl);
+    await proxy.start();
+    proxy.delayStreamDeliveries(3500);
+    const slowArgs = () => {
+      const args = streamArgs('migrate', source, toStream(target));
+      args[args.indexOf('--source') + 1] = proxy.urlFor(sourceStreamUrl);
+      return args;
+    };
+    try {
+      const first = await migrateWithReport(slowArgs());
+      expect(first.code, first.stderr).toBe(0);
+      expect(first.report, JSON.stringify(first.report)).toMatchObject({ forwarded: 200 });
+      const delayedFirst = proxy.deliveriesDelayed;
+      expect(delayedFirst).toBeGreaterThan(0);
+
+      await writeStream(
+        sourceStreamUrl,
+        source,
+        Array.from({ length: 20 }, (_, n) => streamMessage(200 + n)),
+      );
+      const again = await migrateWithReport(slowArgs());
+      expect(again.code, again.stderr).toBe(0);
+      expect(again.report, JSON.stringify(again.report)).toMatchObject({ forwarded: 20, duplicates: 0 });
+      expect(proxy.deliveriesDelayed).toBeGreaterThan(delayedFirst);
+    } finally {
+      await proxy.stop();
+    }
+    expectReplica(
+      'through a slow source',
+      await readStored(sourceStreamUrl, source, { count: 220 }),
+      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
+      source,
+    );
   });
 
   it('a missing source stream is one line and exit 2; nothing moves', async () => {

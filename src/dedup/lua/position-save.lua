@@ -1,12 +1,16 @@
--- A stream source's position: the next offset to read, as a decimal string. Only ever raised: a
--- position is the first message not yet settled, so any reader's is safe to keep, and an older
--- one arriving late (a slow write, another replica) must not move it back.
--- KEYS[1] position key; ARGV[1] the new position (decimal, no leading zeros).
--- Returns the position kept.
+-- A stream source's position: "<next> <hole> <first>-<last> ...", decimal (position.ts). Every
+-- position a reader writes is true (it names only what that reader settled), so the one with the
+-- later next is kept: an older one arriving late (another replica) must not move it back. At the
+-- same next, the newer one: a reader's holes only ever close.
+-- KEYS[1] position key; ARGV[1] the new position. Returns the position kept.
 local current = redis.call('GET', KEYS[1])
 local new = ARGV[1]
-if current == false or #new > #current or (#new == #current and new > current) then
-  redis.call('SET', KEYS[1], new)
-  return new
+if current ~= false then
+  local a = string.match(new, '^%d+')
+  local b = string.match(current, '^%d+')
+  if #a < #b or (#a == #b and a < b) then
+    return current
+  end
 end
-return current
+redis.call('SET', KEYS[1], new)
+return new
