@@ -30,7 +30,8 @@ export interface Harness extends HarnessUrls {
 
 export const HOW_TO_GET_SERVERS =
   'harness: no brokers: set SOURCE_URL, TARGET_URL and REDIS_URL (e.g. after `docker compose up -d`: ' +
-  'SOURCE_URL=amqp://bridge:bridge@127.0.0.1:5672 TARGET_URL=amqp://bridge:bridge@127.0.0.1:5673 REDIS_URL=redis://127.0.0.1:6379), ' +
+  'SOURCE_URL=amqp://bridge:bridge@127.0.0.1:5672 TARGET_URL=amqp://bridge:bridge@127.0.0.1:5673 REDIS_URL=redis://127.0.0.1:6379 ' +
+  'SOURCE_STREAM_URL=rabbitmq-stream://bridge:bridge@127.0.0.1:5552 TARGET_STREAM_URL=rabbitmq-stream://bridge:bridge@127.0.0.1:5553), ' +
   'or install rabbitmq-server and redis-server so the harness can start its own';
 
 /**

@@ -85,6 +85,22 @@ describe('docker-compose.yml', () => {
     expect(portMappings('redis')).toContainEqual({ host: 6379, container: 6379 });
   });
 
+  it('enables the stream plugin on both brokers and publishes its port: source 5552, target 5553', () => {
+    for (const name of ['rabbitmq-source', 'rabbitmq-target']) {
+      expect(commandText(name)).toContain('rabbitmq-plugins enable --offline rabbitmq_stream');
+      expect(commandText(name)).toContain('exec docker-entrypoint.sh rabbitmq-server');
+    }
+    expect(portMappings('rabbitmq-source')).toContainEqual({ host: 5552, container: 5552 });
+    expect(portMappings('rabbitmq-target')).toContainEqual({ host: 5553, container: 5552 });
+    for (const url of [
+      'SOURCE_STREAM_URL=rabbitmq-stream://bridge:bridge@127.0.0.1:5552',
+      'TARGET_STREAM_URL=rabbitmq-stream://bridge:bridge@127.0.0.1:5553',
+    ]) {
+      expect(HOW_TO_GET_SERVERS).toContain(url);
+      expect(read('../../docker-compose.yml')).toContain(url);
+    }
+  });
+
   it('runs Redis with an append-only file', () => {
     expect(commandText('redis')).toContain('--appendonly yes');
   });
