@@ -58,6 +58,8 @@ const CREDIT_AHEAD = 2;
 const PROBE_WAIT_MS = 3000;
 /** How often a moved position is written to Redis while messages are settled. */
 const SAVE_EVERY_MS = 200;
+/** How long a stop waits to store the last position. */
+const FINAL_SAVE_MS = 5000;
 
 /** One message read from the stream, held until the pipeline settles it. */
 class StreamDelivery implements Delivery {
@@ -316,10 +318,27 @@ export class StreamSource implements SourceSide {
     await this.stopConsuming();
     if (this.saveTimer) clearInterval(this.saveTimer);
     this.saveTimer = undefined;
-    // The last settlements: a few tries, then the next run reads those messages again.
-    for (let attempt = 1; attempt <= 5; attempt++) {
-      await this.save();
-      if (!this.unsaved()) return;
+    // The last settlements: a few tries within a bound (a Redis that does not answer would hold
+    // the stop for ever), then the next run reads those messages again, as duplicates.
+    const deadline = Date.now() + FINAL_SAVE_MS;
+    for (let attempt = 1; ; attempt++) {
+      let timer: NodeJS.Timeout | undefined;
+      await Promise.race([
+        this.save(),
+        new Promise((resolve) => {
+          timer = setTimeout(resolve, Math.max(0, deadline - Date.now()));
+        }),
+      ]);
+      clearTimeout(timer);
+      const left = this.unsaved();
+      if (!left) return;
+      if (attempt >= 5 || Date.now() >= deadline) {
+        this.log.warn(
+          { position: encodePosition(left) },
+          `${this.where}: the read position could not be stored; the next run reads again what was settled since the last one stored (duplicates, skipped)`,
+        );
+        return;
+      }
       await sleep(backoffDelay(attempt, 50, 500));
     }
   }
