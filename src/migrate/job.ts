@@ -327,7 +327,11 @@ function stallAdvice(sizeLimit: number | undefined, unroutable: number, nacked =
 }
 
 /** The same for a stream source, which keeps its messages and has nowhere to set one aside. */
-function streamStallAdvice(sizeLimit: number | undefined, unroutable: number, unforwardable?: string): string {
+function streamStallAdvice(
+  sizeLimit: number | undefined,
+  unroutable: number,
+  unforwardable?: string,
+): string {
   // An entry the target can never take as it is stored: the reason says what would.
   if (unforwardable !== undefined) return `the last one that has no form the target takes: ${unforwardable}`;
   if (sizeLimit !== undefined)

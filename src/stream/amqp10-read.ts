@@ -231,7 +231,6 @@ function idOf(bytes: Buffer, value: Value): { text: Buffer; type?: string } | un
   return undefined;
 }
 
-
 /**
  * `stream`: the routing key of a message that names none (one a stream client wrote), as RabbitMQ
  * delivers it over 0-9-1: the stream's name, through the default exchange. With `anyBody`, a body
@@ -342,7 +341,8 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
   const short = (index: number, value: Buffer | undefined) => {
     if (value === undefined) return;
     if (value.length <= 255) put(index, Buffer.concat([Buffer.from([value.length]), value]));
-    else if (!anyBody) throw new UndecodableError(`a property of ${value.length} bytes has no 0-9-1 form (255 at most)`);
+    else if (!anyBody)
+      throw new UndecodableError(`a property of ${value.length} bytes has no 0-9-1 form (255 at most)`);
   };
   short(0, props.contentType);
   short(1, props.contentEncoding);
