@@ -4,6 +4,7 @@ import { describe, expect, it } from 'vitest';
 import { connectAmqp } from '../../src/amqp/connect.js';
 import { publishRaw } from '../../src/amqp/internals.js';
 import { createLogger } from '../../src/observe/log.js';
+import { StreamClient } from '../../src/stream/client.js';
 import { ContentHeader } from '../../src/wire/properties.js';
 import { FaultProxy } from '../harness/proxy.js';
 import {
@@ -103,6 +104,19 @@ function nextSection(raw: Buffer, at: number): number {
     default:
       throw new Error(`section value 0x${code.toString(16)}`);
   }
+}
+
+/** The first offset of each chunk of a stream, as its reader sees them. */
+async function chunkStarts(url: string, stream: string): Promise<bigint[]> {
+  const client = await StreamClient.connect({ url, connectionName: 'test chunk reader' });
+  const starts: bigint[] = [];
+  client.on('chunk', (_id, chunk) => starts.push(chunk.firstOffset));
+  try {
+    await client.readStream(stream, { idleMs: 1000, subscriptionId: 3 });
+  } finally {
+    await client.close();
+  }
+  return starts;
 }
 
 /** Publishes 0-9-1 content headers (built byte by byte) into a stream queue of the source node. */
@@ -577,6 +591,84 @@ describe('a stream as source', () => {
     expectReplica(
       'through a slow source',
       await readStored(sourceStreamUrl, source, { count: 220 }),
+      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
+      source,
+    );
+  });
+
+  it('--max-messages that ends inside a chunk: that many copied, exit 4, and the next run copies the rest, none twice', async () => {
+    const { sourceStreamUrl, targetStreamUrl } = servers();
+    const source = uniqueName('src-stream');
+    const target = uniqueName('dst-stream');
+    await createStream(sourceStreamUrl, source);
+    await createStream(targetStreamUrl, target);
+    await writeStream(
+      sourceStreamUrl,
+      source,
+      Array.from({ length: 300 }, (_, n) => streamMessage(n)),
+    );
+    const chunks = await chunkStarts(sourceStreamUrl, source);
+    // 137 is no chunk's boundary: the limit strikes inside one.
+    expect(chunks.includes(137n), `chunks start at ${chunks.join(', ')}`).toBe(false);
+    const limited = await migrateWithReport(
+      streamArgs('migrate', source, toStream(target), '--max-messages', '137'),
+    );
+    expect(limited.code, limited.stderr).toBe(4);
+    expect(limited.report, JSON.stringify(limited.report)).toMatchObject({ forwarded: 137 });
+    expect((await readStored(targetStreamUrl, target, { idleMs: 1000 })).length).toBe(137);
+    const rest = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
+    expect(rest.code, rest.stderr).toBe(0);
+    expect(rest.report, JSON.stringify(rest.report)).toMatchObject({ forwarded: 163, duplicates: 0 });
+    expectReplica(
+      'after --max-messages',
+      await readStored(sourceStreamUrl, source, { count: 300 }),
+      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
+      source,
+    );
+  });
+
+  it('Redis unanswering for 8 s in the middle of a stream-to-stream migrate: the replica still equals the source, no copy', async () => {
+    const { sourceStreamUrl, targetStreamUrl, redisUrl } = servers();
+    const source = uniqueName('src-stream');
+    const target = uniqueName('dst-stream');
+    await createStream(sourceStreamUrl, source);
+    await createStream(targetStreamUrl, target);
+    const total = 2000;
+    await writeStream(
+      sourceStreamUrl,
+      source,
+      Array.from({ length: total }, (_, n) => streamMessage(n)),
+    );
+    const proxy = FaultProxy.forUrl(redisUrl);
+    await proxy.start();
+    const watch = new StreamWatch(targetStreamUrl, target);
+    const args = streamArgs('migrate', source, toStream(target), '--max-rate', '400');
+    args[args.indexOf('--redis') + 1] = proxy.urlFor(redisUrl);
+    const bridge = startCli(args);
+    try {
+      expect(await watch.until(total * 0.3, 60_000), bridge.output()).toBe(true);
+      proxy.setMode('blackhole');
+      const struck = watch.count;
+      await sleep(8000);
+      // The fault landed mid-transfer, and the bridge stopped moving while Redis said nothing.
+      const during = watch.count;
+      proxy.setMode('pass');
+      // At 400/s the rest would have arrived in 8 s; with Redis silent, the route stood still.
+      expect(struck).toBeLessThan(total);
+      expect(during).toBeLessThan(total);
+      process.stdout.write(
+        `redis unanswering: struck at ${struck} of ${total}, ${during - struck} arrived in the 8 s\n`,
+      );
+      const finished = await bridge.done;
+      expect(finished.code, finished.stderr).toBe(0);
+    } finally {
+      bridge.signal('SIGKILL');
+      await watch.stop();
+      await proxy.stop();
+    }
+    expectReplica(
+      'after Redis went silent',
+      await readStored(sourceStreamUrl, source, { count: total }),
       await readStored(targetStreamUrl, target, { idleMs: 1500 }),
       source,
     );
