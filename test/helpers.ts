@@ -351,12 +351,16 @@ export function startCli(args: string[], env: Record<string, string> = {}): Runn
 }
 
 /** Polls until `check` is true or the time is up; returns the last value of `check`. */
-export async function waitFor(check: () => Promise<boolean> | boolean, timeoutMs = 30_000): Promise<boolean> {
+export async function waitFor(
+  check: () => Promise<boolean> | boolean,
+  timeoutMs = 30_000,
+  intervalMs = 100,
+): Promise<boolean> {
   const deadline = Date.now() + timeoutMs;
   for (;;) {
     if (await check()) return true;
     if (Date.now() > deadline) return false;
-    await new Promise((resolve) => setTimeout(resolve, 100));
+    await new Promise((resolve) => setTimeout(resolve, intervalMs));
   }
 }
 

@@ -307,8 +307,13 @@ describe('a Redis that forgets (FLUSHDB) under a running migration', () => {
       expect(await waitFor(async () => (await depthOf(targetUrl, target)) === 1, 30_000)).toBe(true);
       expect((await takeAll(targetUrl, target)).length).toBe(1);
       targetProxy.setDelay(300);
+      const sentBefore = targetProxy.clientBytes;
       await publishAll(sourceUrl, source, [message]);
-      expect(await waitFor(async () => (await admin.keys('*:c:*')).length > 0, 30_000)).toBe(true);
+      // A publishes only once its claim is answered: once the publish leaves A, the claim is
+      // A's (waiting for the key to show in Redis instead raced the claim's answer, which the
+      // blackhole could then hold back). The proxy sees it, in this process, at once.
+      expect(await waitFor(() => targetProxy.clientBytes >= sentBefore + 50, 30_000, 5)).toBe(true);
+      expect((await admin.keys('*:c:*')).length).toBeGreaterThan(0);
       // A's renewals and its commit wait: its lease runs out, and B takes the claim over.
       redisProxy.setMode('blackhole');
       await new Promise((resolve) => setTimeout(resolve, 4500));
