@@ -198,13 +198,31 @@ function expectReplica(label: string, source: Stored[], target: Stored[], source
   });
 }
 
+/** A new source stream and a new target stream, each on its own node. */
+async function streamPair(): Promise<{ source: string; target: string }> {
+  const { sourceStreamUrl, targetStreamUrl } = servers();
+  const source = uniqueName('src-stream');
+  const target = uniqueName('dst-stream');
+  await createStream(sourceStreamUrl, source);
+  await createStream(targetStreamUrl, target);
+  return { source, target };
+}
+
+/** Reads the first `count` entries of the source stream and the whole target, and expectReplica. */
+async function expectReplicaOf(label: string, source: string, target: string, count: number): Promise<void> {
+  const { sourceStreamUrl, targetStreamUrl } = servers();
+  expectReplica(
+    label,
+    await readStored(sourceStreamUrl, source, { count }),
+    await readStored(targetStreamUrl, target, { idleMs: 1500 }),
+    source,
+  );
+}
+
 describe('a stream as source', () => {
   it('migrate copies a stream into another cluster message for message, in order; a re-run copies only what is new', async () => {
     const { sourceStreamUrl, targetStreamUrl } = servers();
-    const source = uniqueName('src-stream');
-    const target = uniqueName('dst-stream');
-    await createStream(sourceStreamUrl, source);
-    await createStream(targetStreamUrl, target);
+    const { source, target } = await streamPair();
     // 10 entries share one message-id: a stream keeps each, and so must its replica.
     const written = Array.from({ length: 600 }, (_, n) =>
       streamMessage(n, { messageId: n % 60 === 0 ? 'same-id' : `m-${n}`, symbol: true }),
@@ -236,20 +254,12 @@ describe('a stream as source', () => {
     const third = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
     expect(third.code, third.stderr).toBe(0);
     expect(third.report, JSON.stringify(third.report)).toMatchObject({ forwarded: 50, duplicates: 0 });
-    expectReplica(
-      'after a re-run',
-      await readStored(sourceStreamUrl, source, { count: 755 }),
-      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
-      source,
-    );
+    await expectReplicaOf('after a re-run', source, target, 755);
   });
 
   it('stream to stream survives SIGKILLs of the bridge mid-transfer: the replica still equals its source, in order, no copy', async () => {
     const { sourceStreamUrl, targetStreamUrl } = servers();
-    const source = uniqueName('src-stream');
-    const target = uniqueName('dst-stream');
-    await createStream(sourceStreamUrl, source);
-    await createStream(targetStreamUrl, target);
+    const { source, target } = await streamPair();
     const total = 3000;
     await writeStream(
       sourceStreamUrl,
@@ -281,12 +291,7 @@ describe('a stream as source', () => {
     } finally {
       await watch.stop();
     }
-    expectReplica(
-      'after 3 kills',
-      await readStored(sourceStreamUrl, source, { count: total }),
-      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
-      source,
-    );
+    await expectReplicaOf('after 3 kills', source, target, total);
   });
 
   it('stream to queue survives SIGKILLs of the bridge mid-transfer: nothing lost, and a copy only ever flagged in doubt', async () => {
@@ -550,11 +555,8 @@ describe('a stream as source', () => {
   });
 
   it('a source slow to send its chunks: migrate finds the end of the stream all the same, copies all of it, and a re-run goes on from its position', async () => {
-    const { sourceStreamUrl, targetStreamUrl } = servers();
-    const source = uniqueName('src-stream');
-    const target = uniqueName('dst-stream');
-    await createStream(sourceStreamUrl, source);
-    await createStream(targetStreamUrl, target);
+    const { sourceStreamUrl } = servers();
+    const { source, target } = await streamPair();
     await writeStream(
       sourceStreamUrl,
       source,
@@ -588,20 +590,12 @@ describe('a stream as source', () => {
     } finally {
       await proxy.stop();
     }
-    expectReplica(
-      'through a slow source',
-      await readStored(sourceStreamUrl, source, { count: 220 }),
-      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
-      source,
-    );
+    await expectReplicaOf('through a slow source', source, target, 220);
   });
 
   it('--max-messages that ends inside a chunk: that many copied, exit 4, and the next run copies the rest, none twice', async () => {
     const { sourceStreamUrl, targetStreamUrl } = servers();
-    const source = uniqueName('src-stream');
-    const target = uniqueName('dst-stream');
-    await createStream(sourceStreamUrl, source);
-    await createStream(targetStreamUrl, target);
+    const { source, target } = await streamPair();
     await writeStream(
       sourceStreamUrl,
       source,
@@ -619,20 +613,12 @@ describe('a stream as source', () => {
     const rest = await migrateWithReport(streamArgs('migrate', source, toStream(target)));
     expect(rest.code, rest.stderr).toBe(0);
     expect(rest.report, JSON.stringify(rest.report)).toMatchObject({ forwarded: 163, duplicates: 0 });
-    expectReplica(
-      'after --max-messages',
-      await readStored(sourceStreamUrl, source, { count: 300 }),
-      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
-      source,
-    );
+    await expectReplicaOf('after --max-messages', source, target, 300);
   });
 
   it('Redis unanswering for 8 s in the middle of a stream-to-stream migrate: the replica still equals the source, no copy', async () => {
     const { sourceStreamUrl, targetStreamUrl, redisUrl } = servers();
-    const source = uniqueName('src-stream');
-    const target = uniqueName('dst-stream');
-    await createStream(sourceStreamUrl, source);
-    await createStream(targetStreamUrl, target);
+    const { source, target } = await streamPair();
     const total = 2000;
     await writeStream(
       sourceStreamUrl,
@@ -666,12 +652,7 @@ describe('a stream as source', () => {
       await watch.stop();
       await proxy.stop();
     }
-    expectReplica(
-      'after Redis went silent',
-      await readStored(sourceStreamUrl, source, { count: total }),
-      await readStored(targetStreamUrl, target, { idleMs: 1500 }),
-      source,
-    );
+    await expectReplicaOf('after Redis went silent', source, target, total);
   });
 
   it('a missing source stream is one line and exit 2; nothing moves', async () => {
