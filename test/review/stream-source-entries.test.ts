@@ -263,7 +263,7 @@ describe('stream source: what it reads', () => {
     }).toEqual({ exitedByItself: true, spin: false, oddEntriesForwarded: 0 });
   });
 
-  it('9a. entries a 0-9-1 client published with unusual header types arrive in the queue as a 0-9-1 consumer of the source stream receives them', async () => {
+  it('9a. entries a 0-9-1 client published with unusual header types arrive in the queue as they were published', async () => {
     const src = 'typed-headers';
     const q = 'typed-q';
     const srcConn = await amqp.connect(nodes.source.url);
@@ -285,26 +285,41 @@ describe('stream source: what it reads', () => {
       { o: { '!': 'unsignedint', value: 4_000_000_000 } },
       { p: '' },
     ];
-    await publish091(
-      nodes.source.url,
-      headers.map((h, n) => ({
-        routingKey: src,
-        body: Buffer.from(`typed ${n}`),
-        options: {
-          headers: h,
-          messageId: `t-${n}`,
-          timestamp: 1_700_000_000 + n,
-          priority: 3,
-          type: 'kind',
-          expiration: '600000',
-        },
-      })),
-    );
+    // One connection per message, with a deadline: RabbitMQ 3.10 itself may refuse a header type
+    // (INTERNAL_ERROR); only what it stored is expected on the target.
+    const accepted: number[] = [];
+    for (let n = 0; n < headers.length; n++) {
+      const ok = await Promise.race([
+        publish091(nodes.source.url, [
+          {
+            routingKey: src,
+            body: Buffer.from(`typed ${n}`),
+            options: {
+              headers: headers[n],
+              messageId: `t-${n}`,
+              timestamp: 1_700_000_000 + n,
+              priority: 3,
+              type: 'kind',
+              expiration: '600000',
+            },
+          },
+        ]).then(
+          () => true,
+          (e: Error) => {
+            console.log(`publish of typed ${n} ${JSON.stringify(headers[n])} failed: ${e.message}`);
+            return false;
+          },
+        ),
+        new Promise<boolean>((r) => setTimeout(() => r(false), 5000)),
+      ]);
+      if (ok) accepted.push(n);
+    }
+    console.log(`the source stream took ${accepted.length} of ${headers.length}: ${accepted.join(',')}`);
     const res = await migrate(srcArgs('migrate', nodes, src, toQueue(q), PREFIX, '--retry-for', '10s'));
     const got = await drainQueue(nodes.target.url, q);
     const c = countBy(
       'typed headers',
-      headers.map((_, n) => `typed ${n}`),
+      accepted.map((n) => `typed ${n}`),
       got.map((m) => m.content.toString()),
     );
     const strip = (h: Record<string, unknown> | undefined) => {
@@ -316,10 +331,16 @@ describe('stream source: what it reads', () => {
     };
     // The reference: what was published (a typed value as its value; a 0-9-1 consumer of the source
     // stream on 3.10 cannot be used: its channel closes with INTERNAL_ERROR on these entries).
-    const plain = (v: unknown): unknown =>
-      v && typeof v === 'object' && !Buffer.isBuffer(v) && !Array.isArray(v) && '!' in (v as object)
-        ? (v as { value: unknown }).value
-        : v;
+    // amqplib 2.3 decodes a timestamp or a decimal as { '!': type, value }, the other types as values.
+    const plain = (v: unknown): unknown => {
+      if (v && typeof v === 'object' && !Buffer.isBuffer(v) && !Array.isArray(v) && '!' in (v as object)) {
+        const typed = v as { '!': string; value: unknown };
+        return typed['!'] === 'timestamp' || typed['!'] === 'decimal' ? typed : typed.value;
+      }
+      return v;
+    };
+    const canon = (h: Record<string, unknown>) =>
+      JSON.stringify(Object.fromEntries(Object.entries(h).sort(([x], [y]) => (x < y ? -1 : 1))));
     const differences: string[] = [];
     got.forEach((m) => {
       const n = Number(m.content.toString().replace('typed ', ''));
@@ -327,12 +348,19 @@ describe('stream source: what it reads', () => {
       const want: Record<string, unknown> = {};
       for (const [k, v] of Object.entries(sent)) want[k] = plain(v);
       const have = strip(m.properties.headers);
-      const a = JSON.stringify(want, Object.keys(want).sort());
-      const b = JSON.stringify(have, Object.keys(have).sort());
+      const a = canon(want);
+      const b = canon(have);
       const p = m.properties;
       const props = `${p.messageId} ${p.timestamp} ${p.priority} ${p.type} ${p.expiration}`;
       if (a !== b || props !== `t-${n} ${1_700_000_000 + n} 3 kind 600000`)
-        differences.push(`${m.content}: published ${a} / forwarded ${b} props ${props}`);
+        differences.push(
+          `${m.content}: published ${a} / forwarded ${b} (${Object.entries(have)
+            .map(
+              ([k, v]) =>
+                `${k}: ${Object.prototype.toString.call(v)} ${(v as object)?.constructor?.name} ${String(v)}`,
+            )
+            .join('; ')}) props ${props}`,
+        );
     });
     console.log(`differences ${differences.length}`);
     for (const d of differences) console.log('  ', d.slice(0, 500));

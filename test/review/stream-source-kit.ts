@@ -145,10 +145,15 @@ export async function publish091(
   messages: { exchange?: string; routingKey: string; body: Buffer; options?: amqp.Options.Publish }[],
 ): Promise<void> {
   const conn = await amqp.connect(amqpUrl);
-  const ch = await conn.createConfirmChannel();
-  for (const m of messages) ch.publish(m.exchange ?? '', m.routingKey, m.body, m.options ?? {});
-  await ch.waitForConfirms();
-  await conn.close();
+  conn.on('error', () => {});
+  try {
+    const ch = await conn.createConfirmChannel();
+    ch.on('error', () => {});
+    for (const m of messages) ch.publish(m.exchange ?? '', m.routingKey, m.body, m.options ?? {});
+    await ch.waitForConfirms();
+  } finally {
+    await conn.close().catch(() => {});
+  }
 }
 
 export function scopeName(label: string): string {
