@@ -140,6 +140,13 @@ export interface Target {
   committed?(keys: readonly string[]): void;
   /** True once the target failed for good (it told onFatal): a publish is not tried again. */
   readonly ended?: boolean;
+  /**
+   * Set by the pipeline on an exact target, which writes in order: asks Redis now for the leases
+   * of publishes whose writeBy passed while they waited (for Redis, say), and moves writeBy on for
+   * those still ours. Fenced instead, they would be claimed again and written after the messages
+   * behind them.
+   */
+  renewLeases?: (publishes: readonly Publish[]) => Promise<void>;
 }
 
 /**

@@ -4,6 +4,7 @@ import { AmqpLink } from '../amqp/link.js';
 import { QueueTarget } from '../amqp/queue-target.js';
 import { SourceQueue } from '../amqp/source.js';
 import { sleep } from '../backoff.js';
+import type { IdStrategy } from '../config/id-from.js';
 import { redactUrl } from '../config/redact.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';
@@ -430,6 +431,7 @@ function sourceLinkOf(
         prefetch,
         toEnd: limits.toEnd ?? false,
         storedBytes: settings.targetStream !== undefined,
+        keysOnMessageId: keysOnMessageId(settings.idFrom),
         retryForMs: settings.retryForMs,
         stop: limits.stop,
       },
@@ -501,4 +503,17 @@ function sourceLinkOf(
     start: () => amqp.start(),
     close: () => amqp.close(),
   };
+}
+
+/**
+ * Whether the route may key a stream entry on its message-id: `message-id` comes in --id-from
+ * before `offset` (which every stream entry has). Then a message-id too long for a 0-9-1 header
+ * cannot be left out of it: the next strategy (the content, say) would key the entry instead.
+ */
+function keysOnMessageId(idFrom: readonly IdStrategy[]): boolean {
+  for (const strategy of idFrom) {
+    if (strategy.kind === 'offset') return false;
+    if (strategy.kind === 'message-id') return true;
+  }
+  return false;
 }

@@ -58,6 +58,21 @@ export class Leases {
     this.held.delete(entry);
   }
 
+  /**
+   * Renews these entries' leases at once, for a target about to fence them after a wait; those
+   * renewed may be written until a third of the lease before its new end, the others stay fenced.
+   */
+  async renewNow(entries: readonly Entry[]): Promise<void> {
+    const mine = entries.filter((entry) => this.held.has(entry));
+    if (mine.length === 0) return;
+    const askedAt = performance.now();
+    const renewed = await this.cache.renewEach(mine.map((entry) => entry.key as string));
+    mine.forEach((entry, index) => {
+      // Settled or claimed anew meanwhile: not this renewal's answer.
+      if (renewed[index] && this.held.has(entry) && entry.claimedAt <= askedAt) this.extend(entry, askedAt);
+    });
+  }
+
   private extend(entry: Entry, askedAt: number): void {
     entry.leaseUntil = Math.max(entry.leaseUntil, askedAt + this.leaseMs);
     entry.writeBy = entry.leaseUntil - this.leaseMs * LEASE_WRITE_SHARE;

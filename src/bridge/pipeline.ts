@@ -120,6 +120,9 @@ export class Pipeline {
       },
     );
     this.leases = new Leases(settings.leaseMs, cache, target, this.counters, log);
+    // An exact target writes in order: a lease that ran out while its message waited is renewed
+    // before the message is fenced, so that it keeps its place.
+    if (target.exact) target.renewLeases = (publishes) => this.leases.renewNow(publishes as Entry[]);
     this.commits = new Coalescer(MAX_COMMIT_IDS, async (keys) => {
       const results = await this.calls.run('commit', () => this.cache.commit(keys));
       this.noteCommits(results);

@@ -14,7 +14,7 @@ export interface ReadPosition {
   holes: readonly (readonly [first: bigint, last: bigint])[];
 }
 
-/** Holes kept at most: past them, `next` is cut back to the first hole left out (read again). */
+/** Holes kept at most: past them, the ones closest together are merged into wider holes. */
 const MAX_HOLES = 256;
 
 /** The first offset a route at `position` reads. */
@@ -29,7 +29,8 @@ export function isSettled(position: ReadPosition, offset: bigint): boolean {
 
 /**
  * The position of a route that settled everything before `next` but `unsettled` (ascending
- * offsets); past MAX_HOLES ranges, `next` moves back to the first range left out.
+ * offsets). Past MAX_HOLES ranges, the ranges with the narrowest gaps between them are merged: a
+ * wider hole only reads settled offsets again (as duplicates), and `next` stays where it is.
  */
 export function positionOf(next: bigint, unsettled: Iterable<bigint>): ReadPosition {
   const holes: [bigint, bigint][] = [];
@@ -37,10 +38,22 @@ export function positionOf(next: bigint, unsettled: Iterable<bigint>): ReadPosit
     if (offset >= next) break;
     const last = holes[holes.length - 1];
     if (last && offset === last[1] + 1n) last[1] = offset;
-    else if (holes.length === MAX_HOLES) return { next: offset, holes };
     else holes.push([offset, offset]);
   }
-  return { next, holes };
+  if (holes.length <= MAX_HOLES) return { next, holes };
+  // Close the narrowest gaps (gap i lies between holes i and i + 1).
+  const gaps = holes
+    .slice(1)
+    .map(([first], index) => ({ index, size: first - (holes[index] as [bigint, bigint])[1] }));
+  gaps.sort((a, b) => (a.size < b.size ? -1 : a.size > b.size ? 1 : a.index - b.index));
+  const closed = new Set(gaps.slice(0, holes.length - MAX_HOLES).map((gap) => gap.index));
+  const merged: [bigint, bigint][] = [];
+  holes.forEach((hole, index) => {
+    const previous = merged[merged.length - 1];
+    if (previous && closed.has(index - 1)) previous[1] = hole[1];
+    else merged.push([hole[0], hole[1]]);
+  });
+  return { next, holes: merged };
 }
 
 /** As stored: `next`, then each hole as `first` or `first-last`, space separated, in decimal. */

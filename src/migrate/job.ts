@@ -332,11 +332,16 @@ function streamStallAdvice(
   unroutable: number,
   unforwardable?: string,
 ): string {
-  // An entry the target can never take as it is stored: the reason says what would.
-  if (unforwardable !== undefined) return `the last one that has no form the target takes: ${unforwardable}`;
+  const advice: string[] = [];
   if (sizeLimit !== undefined)
-    return `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit`;
-  return unroutable > 0
-    ? 'fix the target binding'
-    : 'make the target take them (room on a queue at its length limit, say)';
+    advice.push(
+      `the target refuses messages larger than its max_message_size (${sizeLimit} bytes): raise that limit`,
+    );
+  else if (unroutable > 0) advice.push('fix the target binding');
+  // An entry the target can never take as it is stored: its reason says what would.
+  if (unforwardable !== undefined)
+    advice.push(`the last one that has no form the target takes: ${unforwardable}`);
+  if (advice.length === 0)
+    advice.push('make the target take them (room on a queue at its length limit, say)');
+  return advice.join('; ');
 }

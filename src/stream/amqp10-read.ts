@@ -30,6 +30,8 @@ export interface DecodedMessage {
   routingKey: Buffer;
 }
 
+/** The message-id's place in the 0-9-1 property list. */
+const MESSAGE_ID_INDEX = 8;
 const HEADER = 0x70;
 const DELIVERY_ANNOTATIONS = 0x71;
 const MESSAGE_ANNOTATIONS = 0x72;
@@ -237,7 +239,11 @@ function idOf(bytes: Buffer, value: Value): { text: Buffer; type?: string } | un
  * with no 0-9-1 form is no error (and the body returned is the stored message's first data
  * section, if any): for a copy into another stream, which writes the stored bytes.
  */
-export function decodeMessage(data: Buffer, stream: string, { anyBody = false } = {}): DecodedMessage {
+export function decodeMessage(
+  data: Buffer,
+  stream: string,
+  { anyBody = false, keepMessageId = false } = {},
+): DecodedMessage {
   const props: Partial<Record<string, Buffer>> = {};
   const fields: Field[] = [];
   // The AMQP 1.0 types of a message-id or correlation-id that is not a string, as headers.
@@ -338,10 +344,12 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
   };
   // A string property over 255 bytes has no 0-9-1 form. A copy into a stream writes the stored
   // bytes, which keep it: its header, which serves only the ID and the marks, goes without.
+  // The message-id, though, when the route may key the entry on it (`keepMessageId`): without it
+  // the next --id-from strategy would key the entry, and two entries could share an ID.
   const short = (index: number, value: Buffer | undefined) => {
     if (value === undefined) return;
     if (value.length <= 255) put(index, Buffer.concat([Buffer.from([value.length]), value]));
-    else if (!anyBody)
+    else if (!anyBody || (index === MESSAGE_ID_INDEX && keepMessageId))
       throw new UndecodableError(`a property of ${value.length} bytes has no 0-9-1 form (255 at most)`);
   };
   short(0, props.contentType);
@@ -357,7 +365,7 @@ export function decodeMessage(data: Buffer, stream: string, { anyBody = false } 
   short(5, props.correlationId);
   short(6, props.replyTo);
   short(7, props.expiration);
-  short(8, props.messageId);
+  short(MESSAGE_ID_INDEX, props.messageId);
   if (timestamp !== undefined) {
     const stamp = Buffer.alloc(8);
     stamp.writeBigUInt64BE(timestamp, 0);

@@ -395,6 +395,8 @@ function readEntries(
       }
       const body = new Reader(plain, 0, plain.length);
       for (let i = 0; i < records; i++) {
+        // Records past the chunk's count would take the next chunk's offsets.
+        if (offset >= end) break;
         if (body.end - body.at < 4 || body.end - body.at - 4 < plain.readUInt32BE(body.at)) {
           unreadable(BigInt(records - i), `a sub-batch of ${records} messages whose bytes end after ${i}`);
           break;
@@ -424,7 +426,7 @@ function decompress(compression: number, batch: Buffer, uncompressed: number): B
     );
   }
   throw new Error(
-    `a sub-batch compressed with ${name}, which this bridge cannot read (it reads gzip and zstd); have the producer use one of those, or none`,
+    `a sub-batch compressed with ${name}, which this bridge cannot read (it reads gzip, and zstd on Node 22.15 or later); have the producer use one of those, or none`,
   );
 }
 

@@ -41,6 +41,8 @@ export interface StreamSourceOptions {
    * (an amqp-value, say) is forwarded all the same; into a queue it is held as unreadable.
    */
   storedBytes: boolean;
+  /** The route may key an entry on its message-id: one too long for 0-9-1 is then held. */
+  keysOnMessageId: boolean;
   /** How long start waits for an endpoint that does not answer (--retry-for; 0: for ever). */
   retryForMs: number;
   stop: AbortSignal | undefined;
@@ -131,6 +133,7 @@ export class StreamSource implements SourceSide {
   private saveFailing = false;
   private saveTimer: NodeJS.Timeout | undefined;
   private recovering: Promise<void> | undefined;
+  private closing: Promise<void> | undefined;
   private readonly shown: string;
 
   /** Set at start, once the stream's cluster is known (the position is named after it). */
@@ -314,7 +317,13 @@ export class StreamSource implements SourceSide {
     }
   }
 
-  async closeConsumer(): Promise<void> {
+  /** Once: the bridge's stop and the source's close both ask for it. */
+  closeConsumer(): Promise<void> {
+    this.closing ??= this.finishConsuming();
+    return this.closing;
+  }
+
+  private async finishConsuming(): Promise<void> {
     await this.stopConsuming();
     if (this.saveTimer) clearInterval(this.saveTimer);
     this.saveTimer = undefined;
@@ -418,7 +427,10 @@ export class StreamSource implements SourceSide {
   private read({ offset, data, unreadable }: StreamMessage): StreamDelivery {
     try {
       if (unreadable !== undefined) throw new Error(unreadable);
-      const decoded = decodeMessage(data, this.options.stream, { anyBody: this.options.storedBytes });
+      const decoded = decodeMessage(data, this.options.stream, {
+        anyBody: this.options.storedBytes,
+        keepMessageId: this.options.keysOnMessageId,
+      });
       return new StreamDelivery(
         offset,
         data,

@@ -124,6 +124,7 @@ export class StreamTarget implements TargetSide {
   sizeLimit: number | undefined;
   /** The target answers every publish as stored or not stored: the pipeline never flags a copy. */
   readonly exact = true;
+  renewLeases: ((publishes: readonly Publish[]) => Promise<void>) | undefined;
   /** Failed for good (another bridge took the producer, the stream went): nothing more is stored. */
   ended = false;
 
@@ -421,8 +422,29 @@ export class StreamTarget implements TargetSide {
     }
   }
 
+  /**
+   * Asks for the leases of those whose writeBy passed (see Target.renewLeases), so that a wait
+   * does not fence them and send them after the messages behind them. A failed ask fences them.
+   */
+  private async renewExpired(items: readonly Item[]): Promise<void> {
+    const now = performance.now();
+    const expired = items
+      .filter((item) => !item.sent && item.publish.writeBy <= now)
+      .map((item) => item.publish);
+    if (expired.length === 0 || !this.renewLeases) return;
+    try {
+      await this.renewLeases(expired);
+    } catch (error) {
+      this.log.warn(
+        { error: describe(error) },
+        'renewing the leases of messages waiting to be written failed',
+      );
+    }
+  }
+
   /** Gives the next waiting messages their IDs (those whose lease no longer holds go back unsent). */
   private async reserveNext(): Promise<void> {
+    await this.renewExpired(this.waiting.slice(0, MAX_RESERVE));
     const now = performance.now();
     const batch: Item[] = [];
     while (this.waiting.length > 0 && batch.length < MAX_RESERVE) {
@@ -457,6 +479,7 @@ export class StreamTarget implements TargetSide {
    * leaves the ledger first (an ID is never moved past while it is recorded), and is not sent.
    */
   private async writeReserved(): Promise<void> {
+    await this.renewExpired(this.reserved);
     const now = performance.now();
     const frameMax = this.frameMax;
     // Too large for this connection's frames (its size was not known when it was sent to us).

@@ -39,8 +39,8 @@ export class StreamNodes {
   }
 }
 
-export const u8 = (n: number) => Buffer.from([n]);
-export function u16(n: number): Buffer {
+const u8 = (n: number) => Buffer.from([n]);
+function u16(n: number): Buffer {
   const b = Buffer.alloc(2);
   b.writeUInt16BE(n);
   return b;
@@ -279,7 +279,7 @@ export async function redisGet(url: string, key: string): Promise<string | null>
  * A slow line: a TCP proxy whose connections pass at full speed for their first `graceMs` (the
  * handshake), then every chunk either way waits a random delay in [minMs, maxMs], in order.
  */
-export class SlowLine {
+class SlowLine {
   private server: Server | undefined;
   private readonly sockets = new Set<Socket>();
   port = 0;

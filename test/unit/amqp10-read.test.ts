@@ -86,6 +86,10 @@ describe('decodeMessage', () => {
     const copied = decodeMessage(entry, 's', { anyBody: true });
     expect(copied.header.bytes.toString('hex')).toBe(basicProperties({ replyTo: 'replies' }).toString('hex'));
     expect(copied.body.toString()).toBe('body');
+    // A route that may key the entry on its message-id keeps it: held, not keyed on what follows.
+    expect(() => decodeMessage(entry, 's', { anyBody: true, keepMessageId: true })).toThrow(
+      /a property of 300 bytes has no 0-9-1 form/,
+    );
   });
 });
 

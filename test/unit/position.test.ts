@@ -35,12 +35,15 @@ describe('stream read position', () => {
     expect(() => parsePosition('42 x')).toThrow(/not one this version wrote/);
   });
 
-  it('past 256 holes, next is cut back to the first one left out: it is read again, never skipped', () => {
-    const unsettled = Array.from({ length: 300 }, (_, n) => BigInt(n * 2));
+  it('past 256 holes, the closest ones merge into wider holes: nothing unsettled is skipped, next stays', () => {
+    // 300 single holes, every other offset below 600, and one far out at 900.
+    const unsettled = [...Array.from({ length: 299 }, (_, n) => BigInt(n * 2)), 900n];
     const position = positionOf(1000n, unsettled);
     expect(position.holes.length).toBe(256);
-    expect(position.next).toBe(512n);
-    expect(isSettled(position, 511n)).toBe(true);
-    expect(isSettled(position, 512n)).toBe(false);
+    expect(position.next).toBe(1000n);
+    for (const offset of unsettled) expect(isSettled(position, offset)).toBe(false);
+    // The far hole stays narrow: the gaps closed were the narrowest.
+    expect(position.holes[255]).toEqual([900n, 900n]);
+    expect(isSettled(position, 899n)).toBe(true);
   });
 });

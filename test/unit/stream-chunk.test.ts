@@ -85,7 +85,7 @@ describe('osiris chunks', () => {
       [104n, 'z2'],
       [105n, 'z3'],
     ]);
-    const snappy = /compressed with snappy, which this bridge cannot read \(it reads gzip and zstd\)/;
+    const snappy = /compressed with snappy, which this bridge cannot read \(it reads gzip, and zstd/;
     const parsed = read(chunk([subBatch(['a', 'b'], { compression: 2 }), simple('after')], 3));
     expect(parsed.messages.map((m) => m.offset)).toEqual([100n, 101n, 102n]);
     expect(parsed.messages[0]?.unreadable).toMatch(snappy);
@@ -104,6 +104,11 @@ describe('osiris chunks', () => {
       [102n, 'a sub-batch of 4 messages whose bytes end after 2'],
       [103n, 'a sub-batch of 4 messages whose bytes end after 2'],
       [104n, 'c'],
+    ]);
+    // A sub-batch of 3 in a chunk of 2 records: the third would take the next chunk's offset.
+    expect(shown(read(chunk([subBatch(['a', 'b', 'c'])], 2)))).toEqual([
+      [100n, 'a'],
+      [101n, 'b'],
     ]);
     // Two entries announced, one there: the second's offset cannot be read.
     const cut = chunk([simple('a')], 2);
