@@ -188,13 +188,16 @@ export class StreamSource implements SourceSide {
         const end = tail?.end ?? 0n;
         if (end < stored.next) {
           throw new ConfigError(
-            `${this.where} ends at offset ${end}, but this route has read it up to offset ${stored.next}: the stream was deleted and created again (or it did not answer within ${PROBE_WAIT_MS / 1000}s); its new messages would take the old ones' IDs, so nothing is read: forward it under a new --scope`,
+            `${this.where} ends at offset ${end}, but this route has read it up to offset ${stored.next}: the stream was deleted and created again, or did not answer within ${PROBE_WAIT_MS / 1000}s, or the route was started past its end (--source-start) and the stream has not reached that offset yet. A recreated stream's new messages would take the old ones' IDs, so nothing is read: forward such a stream under a new --scope`,
           );
         }
         this.loaded = stored;
       } else if (this.from === 'next' || this.from === 'last') {
         const at = tail === undefined ? 0n : this.from === 'next' ? tail.end : tail.first;
         this.loaded = await this.position.init(at);
+      } else if (typeof this.from === 'object' && 'offset' in this.from) {
+        // Stored at once too: a run that reaches nothing there yet leaves the route starting there.
+        this.loaded = await this.position.init(this.from.offset);
       }
       if (this.loaded) {
         this.saved = this.loaded;
