@@ -1,6 +1,5 @@
 import { randomBytes } from 'node:crypto';
 import { rmSync } from 'node:fs';
-import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
 import { StreamClient } from '../../src/stream/client.js';
@@ -272,66 +271,5 @@ export async function redisGet(url: string, key: string): Promise<string | null>
     return await r.get(key);
   } finally {
     r.disconnect();
-  }
-}
-
-/**
- * A slow line: a TCP proxy whose connections pass at full speed for their first `graceMs` (the
- * handshake), then every chunk either way waits a random delay in [minMs, maxMs], in order.
- */
-class SlowLine {
-  private server: Server | undefined;
-  private readonly sockets = new Set<Socket>();
-  port = 0;
-
-  constructor(
-    private readonly host: string,
-    private readonly targetPort: number,
-    private readonly minMs: number,
-    private readonly maxMs: number,
-    private readonly graceMs = 800,
-  ) {}
-
-  async start(): Promise<void> {
-    this.server = createServer((client) => this.accept(client));
-    await new Promise<void>((resolve) => this.server?.listen(0, '127.0.0.1', resolve));
-    const address = this.server.address();
-    this.port = typeof address === 'object' && address ? address.port : 0;
-  }
-
-  urlFor(url: string): string {
-    const parsed = new URL(url);
-    parsed.hostname = '127.0.0.1';
-    parsed.port = String(this.port);
-    return parsed.toString();
-  }
-
-  private accept(client: Socket): void {
-    const server = createConnection({ host: this.host, port: this.targetPort });
-    const opened = Date.now();
-    this.sockets.add(client);
-    this.sockets.add(server);
-    const lane = (from: Socket, to: Socket) => {
-      let last = 0;
-      from.on('data', (chunk: Buffer) => {
-        if (Date.now() - opened < this.graceMs) {
-          if (!to.destroyed) to.write(chunk);
-          return;
-        }
-        const delay = this.minMs + Math.random() * (this.maxMs - this.minMs);
-        const at = Math.max(Date.now() + delay, last);
-        last = at;
-        setTimeout(() => !to.destroyed && to.write(chunk), at - Date.now());
-      });
-      from.on('close', () => setTimeout(() => to.destroy(), Math.max(0, last - Date.now())));
-      from.on('error', () => {});
-    };
-    lane(client, server);
-    lane(server, client);
-  }
-
-  async stop(): Promise<void> {
-    for (const s of this.sockets) s.destroy();
-    await new Promise<void>((resolve) => (this.server ? this.server.close(() => resolve()) : resolve()));
   }
 }
