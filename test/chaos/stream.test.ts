@@ -364,8 +364,9 @@ describe(`chaos, stream target (${FULL ? 'full' : 'short'}): exactly once, no co
   }
 
   // A stream as source (issue 31): stream to stream, either broker stopped and restarted while
-  // the transfer runs. The replica must equal the source entry for entry, in order, no copy.
-  for (const broker of ['source', 'target'] as const) {
+  // the transfer runs. The replica must equal the source entry for entry, in order, no copy. The
+  // short run restarts the source only: a target restart is the scenario above, stream target alike.
+  for (const broker of FULL ? (['source', 'target'] as const) : (['source'] as const)) {
     it(`stream to stream: the ${broker} broker stopped and restarted mid-transfer`, async () => {
       const name = `stream-source-${broker}-restart`;
       const sourceStream = uniqueName(`schaos-${name}-src`);
