@@ -1,45 +1,62 @@
-// npm test's last step: the chaos suite beside the other tests, in two vitest processes at once.
-// The chaos scenarios start servers of their own and spend most of their time waiting (a throttled
-// link, a broker restarting, a stall running out), so on 2 cores the two together take little more
-// than the longer one alone. The other tests stream their output as they run; the chaos suite's is
-// kept and printed whole when it ends, so that the two never interleave. With arguments (a file
-// filter, say: `npm test -- stream-source`) it is one vitest run with them, as before.
+// npm test's last step: the unit and integration tests, and beside them, in vitest processes of
+// their own, the chaos suite and the Redis topology tests. Those two start servers of their own and
+// spend most of their time waiting (a throttled link, a broker restarting, a failover), so on 2
+// cores all three together take little more than the first alone. The first streams its output as
+// it runs; each of the others is kept and printed whole when all have ended, so that none
+// interleave. With arguments (a file filter, say: `npm test -- stream-source`) it is one vitest
+// run of the main suite with them.
 import { spawn } from 'node:child_process';
 import { createWriteStream, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 
-const extra = process.argv.slice(2);
 const vitest = (args, stdio) =>
   spawn(process.execPath, ['node_modules/vitest/vitest.mjs', 'run', ...args], { stdio });
 const exited = (child) =>
   new Promise((resolve) => child.on('close', (code, signal) => resolve(code ?? (signal ? 1 : 0))));
 
+const extra = process.argv.slice(2);
 if (extra.length > 0) process.exit(await exited(vitest(extra, 'inherit')));
 
-const dir = mkdtempSync(join(tmpdir(), 'dedup-bridge-chaos-'));
-const chaosLog = join(dir, 'chaos.log');
-const chaosOut = createWriteStream(chaosLog);
-const chaos = vitest(['test/chaos'], ['ignore', 'pipe', 'pipe']);
-chaos.stdout.pipe(chaosOut);
-chaos.stderr.pipe(chaosOut);
-const rest = vitest(['--exclude', 'test/chaos/**'], 'inherit');
+const SIDE_SUITES = [
+  { name: 'the chaos suite (test/chaos)', args: ['test/chaos'] },
+  { name: 'the Redis topology tests (test/topologies)', args: ['--config', 'vitest.topologies.config.ts'] },
+];
 
-// Ctrl-C or a CI timeout stops both.
+const dir = mkdtempSync(join(tmpdir(), 'dedup-bridge-tests-'));
+const sides = SIDE_SUITES.map((suite, index) => {
+  const log = join(dir, `${index}.log`);
+  const out = createWriteStream(log);
+  const child = vitest(suite.args, ['ignore', 'pipe', 'pipe']);
+  child.stdout.pipe(out, { end: false });
+  child.stderr.pipe(out, { end: false });
+  // Watched from the start: a side suite may end before the main one.
+  const code = exited(child).then(async (code) => {
+    await new Promise((resolve) => out.end(resolve));
+    return code;
+  });
+  return { ...suite, log, child, code };
+});
+const main = vitest(['--exclude', 'test/chaos/**'], 'inherit');
+const mainCode = exited(main);
+
+// Ctrl-C or a CI timeout stops them all.
 for (const signal of ['SIGINT', 'SIGTERM']) {
   process.on(signal, () => {
-    chaos.kill(signal);
-    rest.kill(signal);
+    main.kill(signal);
+    for (const side of sides) side.child.kill(signal);
   });
 }
 
-const restCode = await exited(rest);
-const chaosCode = await exited(chaos);
-await new Promise((resolve) => chaosOut.end(resolve));
-process.stdout.write(`\n---- the chaos suite (test/chaos), run beside the tests above ----\n`);
-process.stdout.write(readFileSync(chaosLog, 'utf8'));
+const outcomes = [{ name: 'the unit and integration tests', code: await mainCode }];
+for (const side of sides) {
+  const code = await side.code;
+  process.stdout.write(`\n---- ${side.name}, run beside the tests above ----\n`);
+  process.stdout.write(readFileSync(side.log, 'utf8'));
+  outcomes.push({ name: side.name, code });
+}
 rmSync(dir, { recursive: true, force: true });
 process.stdout.write(
-  `\nnpm test: the tests ${restCode === 0 ? 'passed' : 'FAILED'}, the chaos suite ${chaosCode === 0 ? 'passed' : 'FAILED'}\n`,
+  `\nnpm test: ${outcomes.map(({ name, code }) => `${name} ${code === 0 ? 'passed' : 'FAILED'}`).join('; ')}\n`,
 );
-process.exit(restCode === 0 && chaosCode === 0 ? 0 : 1);
+process.exit(outcomes.every(({ code }) => code === 0) ? 0 : 1);
