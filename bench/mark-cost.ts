@@ -1,11 +1,12 @@
-// npm run bench:mark-cost [-- --rounds 5 --messages 30000 --mandatory]: what each form of the
+// npm run bench:mark-cost [-- --rounds 5 --messages 30000 --only 'no mark;…']: what each form of the
 // `x-dedup-route` mark costs the broker that receives it (issue 33). One throwaway RabbitMQ node;
 // in rotating rounds, once per header variant, confirmed persistent publishes of 1 KiB, each with
 // its own `_HQ_DUPL_ID`, into a durable classic queue that one consumer drains meanwhile (manual
 // acks, prefetch 500). The figure is the broker's CPU (utime + stime of beam.smp, from /proc)
 // between a round's start and its last ack, per 1,000 messages; the publisher's wall time per
 // 1,000 is secondary (the host is shared: CPU time is what to trust). Medians, and the difference
-// against no mark. --mandatory publishes as the bridge does (with `mandatory`).
+// against no mark. Every variant is published as the bridge publishes: its content header as raw
+// bytes, with `mandatory` (since 2026-12-05; the runs below published through amqplib, without).
 //
 // Run of this script (branch mark-cost on 4edabb9, RabbitMQ 3.10.8, 5 rounds × 30,000, no
 // `mandatory`, 2 shared CPUs, load 3–4), broker CPU ms per 1,000, median · vs no mark (paired per
@@ -18,8 +19,10 @@
 import { randomBytes } from 'node:crypto';
 import { rmSync } from 'node:fs';
 import amqp, { type Channel, type ConsumeMessage } from 'amqplib';
+import { publishRaw } from '../src/amqp/internals.js';
 import { routeToken } from '../src/bridge/route-mark.js';
 import { ROUTE_HEADER } from '../src/headers.js';
+import { encodeValue, type FieldValue, rawField } from '../src/wire/fields.js';
 import { cleanLeftovers, newRunDir, processCpuMs, RabbitNode } from '../test/harness/servers.js';
 
 const args = process.argv.slice(2);
@@ -30,7 +33,6 @@ const option = (name: string, fallback: string) => {
 const ROUNDS = Number(option('--rounds', '5'));
 const MESSAGES = Number(option('--messages', '30000'));
 const WARM_UP = Math.min(MESSAGES, 5000);
-const MANDATORY = args.includes('--mandatory');
 // By default a round publishes all its messages, then consumes them: every message is stored, and
 // the CPU of the publishes is measured apart. --concurrent consumes while it publishes (the broker
 // then skips storing some messages, by how far the consumer keeps up: more noise).
@@ -56,6 +58,8 @@ interface Variant {
   name: string;
   /** The mark's value as amqplib encodes it: a JS array becomes an AMQP array (`A`), a string `S`. */
   mark: string[] | string | undefined;
+  /** The mark carried in the reserved `cluster-id` property instead of a header (a candidate only). */
+  clusterId?: string;
 }
 const VARIANTS: Variant[] = [
   { name: 'no mark', mark: undefined },
@@ -65,7 +69,48 @@ const VARIANTS: Variant[] = [
   { name: 'string, 1 token (new)', mark: TOKENS[0] },
   { name: 'string, 4 tokens (new)', mark: TOKENS.join(' ') },
   { name: 'string, JSON of 4 names', mark: JSON.stringify(ROUTES) },
+  // A candidate measured, not written by the bridge: no header entry at all, one property slot.
+  { name: 'cluster-id property, 1 token', mark: undefined, clusterId: TOKENS[0] },
 ];
+// --only 'no mark;string, 1 token (new)': a subset of the variants, by name (a shorter run).
+const ONLY = option('--only', '');
+const RUN_VARIANTS = ONLY
+  ? VARIANTS.filter((variant) => ONLY.split(';').some((name) => name.trim() === variant.name))
+  : VARIANTS;
+if (!RUN_VARIANTS.some((variant) => variant.name === 'no mark')) {
+  process.stderr.write("mark-cost: --only must include 'no mark', the baseline\n");
+  process.exit(2);
+}
+
+// Property flags (AMQP 0-9-1 basic): headers, delivery-mode, and the reserved cluster-id slot.
+const FLAG_HEADERS = 1 << 13;
+const FLAG_DELIVERY_MODE = 1 << 12;
+const FLAG_CLUSTER_ID = 1 << 2;
+
+/**
+ * A variant's content header as raw bytes (flags, then the properties in order): every variant is
+ * published the same way, through the bridge's own raw publish, which also sets cluster-id (amqplib
+ * leaves it out).
+ */
+function headerBytes(variant: Variant, id: string): Buffer {
+  const fields = [rawField('_HQ_DUPL_ID', encodeValue({ type: 'S', value: Buffer.from(id) }))];
+  if (variant.mark !== undefined) {
+    const value: FieldValue = Array.isArray(variant.mark)
+      ? { type: 'A', value: variant.mark.map((name) => ({ type: 'S', value: Buffer.from(name) })) }
+      : { type: 'S', value: Buffer.from(variant.mark) };
+    fields.push(rawField(ROUTE_HEADER, encodeValue(value)));
+  }
+  const table = Buffer.concat(fields);
+  const parts = [Buffer.alloc(2), Buffer.alloc(4), table, Buffer.from([2])];
+  let flags = FLAG_HEADERS | FLAG_DELIVERY_MODE;
+  (parts[1] as Buffer).writeUInt32BE(table.length);
+  if (variant.clusterId !== undefined) {
+    flags |= FLAG_CLUSTER_ID;
+    parts.push(Buffer.from([variant.clusterId.length]), Buffer.from(variant.clusterId, 'latin1'));
+  }
+  (parts[0] as Buffer).writeUInt16BE(flags);
+  return Buffer.concat(parts);
+}
 
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 const median = (values: number[]) => {
@@ -115,6 +160,9 @@ class Drain {
 function checkMark(variant: Variant): (message: ConsumeMessage) => void {
   return (message) => {
     const value: unknown = message.properties.headers?.[ROUTE_HEADER];
+    if (message.properties.clusterId !== variant.clusterId) {
+      throw new Error(`mark-cost: ${variant.name}: cluster-id arrived as ${message.properties.clusterId}`);
+    }
     const ok =
       variant.mark === undefined
         ? value === undefined
@@ -166,20 +214,12 @@ async function main(): Promise<void> {
       };
       for (let i = 0; i < count; i++) {
         while (i - confirmed >= WINDOW) await new Promise<void>((resolve) => (wake = resolve));
-        const headers: Record<string, unknown> = {
-          _HQ_DUPL_ID: `${runTag}-${label}-${String(i).padStart(6, '0')}`,
-        };
-        if (variant.mark !== undefined) headers[ROUTE_HEADER] = variant.mark;
-        const ok = publisher.publish(
-          '',
-          queue,
-          body,
-          { persistent: true, mandatory: MANDATORY, headers },
-          (error) => {
-            if (error) failed++;
-            settled();
-          },
-        );
+        const header = headerBytes(variant, `${runTag}-${label}-${String(i).padStart(6, '0')}`);
+        // The raw publish always sets `mandatory`, as the bridge does.
+        const ok = publishRaw(publisher, '', queue, header, body, (error) => {
+          if (error) failed++;
+          settled();
+        });
         if (!ok) await new Promise((resolve) => publisher.once('drain', resolve));
       }
       await publisher.waitForConfirms();
@@ -201,20 +241,20 @@ async function main(): Promise<void> {
     }
 
     say(`mark-cost: warm-up, ${WARM_UP} messages per variant (not counted)`);
-    for (const variant of VARIANTS) await round(variant, 100 + VARIANTS.indexOf(variant), WARM_UP);
+    for (const variant of RUN_VARIANTS) await round(variant, 100 + RUN_VARIANTS.indexOf(variant), WARM_UP);
 
     type Figure = 'cpu' | 'publishCpu' | 'publish';
     const figures = Object.fromEntries(
-      VARIANTS.map(({ name }) => [
+      RUN_VARIANTS.map(({ name }) => [
         name,
         { cpu: [], publishCpu: [], publish: [] } as Record<Figure, number[]>,
       ]),
     );
     for (let r = 1; r <= ROUNDS; r++) {
       // Each round starts with the next variant, so that none always runs first or last.
-      const order = VARIANTS.map((_, i) => VARIANTS[(i + r - 1) % VARIANTS.length] as Variant);
+      const order = RUN_VARIANTS.map((_, i) => RUN_VARIANTS[(i + r - 1) % RUN_VARIANTS.length] as Variant);
       for (const variant of order) {
-        const result = await round(variant, 100 * r + 100 + VARIANTS.indexOf(variant), MESSAGES);
+        const result = await round(variant, 100 * r + 100 + RUN_VARIANTS.indexOf(variant), MESSAGES);
         for (const figure of ['cpu', 'publishCpu', 'publish'] as const) {
           figures[variant.name]?.[figure].push(result[figure]);
         }
@@ -226,7 +266,7 @@ async function main(): Promise<void> {
     if (drain.redelivered > 0) throw new Error(`mark-cost: ${drain.redelivered} messages were redelivered`);
 
     say(
-      `\nmark-cost: ${ROUNDS} rotating rounds × ${MESSAGES} messages of ${SIZE} B, persistent, confirmed${MANDATORY ? ', mandatory' : ''}, ` +
+      `\nmark-cost: ${ROUNDS} rotating rounds × ${MESSAGES} messages of ${SIZE} B, persistent, confirmed, mandatory, ` +
         `${CONCURRENT ? 'consumed meanwhile' : 'then consumed'} with prefetch ${PREFETCH}${BUSY_WAIT ? ', schedulers busy-waiting' : ''}; ` +
         'medians (rounds), per 1,000 messages',
     );
@@ -236,22 +276,24 @@ async function main(): Promise<void> {
       '| variant | mark bytes | broker CPU ms | vs no mark | paired | rounds | publishing only | vs no mark | publisher wall ms | vs no mark |',
     );
     say('| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |');
-    for (const variant of VARIANTS) {
+    for (const variant of RUN_VARIANTS) {
       // The field's value on the wire: type tag and length, and each element's tag and length too.
       const bytes =
         variant.mark === undefined
-          ? 0
+          ? variant.clusterId === undefined
+            ? 0
+            : 1 + variant.clusterId.length
           : Array.isArray(variant.mark)
             ? variant.mark.reduce((sum, name) => sum + 5 + Buffer.byteLength(name), 5)
             : 5 + Buffer.byteLength(variant.mark);
       const cells = (figure: Figure) => {
         const value = of(variant.name, figure);
-        return `${value.toFixed(1)} | ${variant.mark === undefined ? '' : sign(value - of('no mark', figure))}`;
+        return `${value.toFixed(1)} | ${variant.name === 'no mark' ? '' : sign(value - of('no mark', figure))}`;
       };
       const rounds = figures[variant.name]?.cpu ?? [];
       // Against no mark in the same round, then the median: the host's load moves from round to round.
       const base = figures['no mark']?.cpu ?? [];
-      const paired = variant.mark === undefined ? '' : sign(median(rounds.map((x, i) => x - (base[i] ?? 0))));
+      const paired = variant.name === 'no mark' ? '' : sign(median(rounds.map((x, i) => x - (base[i] ?? 0))));
       say(
         `| ${variant.name} | ${bytes} | ${cells('cpu')} | ${paired} | ${rounds.map((x) => x.toFixed(0)).join(', ')} | ` +
           `${cells('publishCpu')} | ${cells('publish')} |`,
