@@ -56,7 +56,7 @@ const TOKENS = ROUTES.map(routeToken);
 
 interface Variant {
   name: string;
-  /** The mark's value as amqplib encodes it: a JS array becomes an AMQP array (`A`), a string `S`. */
+  /** The mark's value in the header (headerBytes): an array becomes an AMQP array (`A`), a string `S`. */
   mark: string[] | string | undefined;
   /** The mark carried in the reserved `cluster-id` property instead of a header (a candidate only). */
   clusterId?: string;
