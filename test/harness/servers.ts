@@ -95,7 +95,9 @@ export function cleanLeftovers(): void {
   if (!existsSync(HARNESS_ROOT)) return;
   for (const run of readdirSync(HARNESS_ROOT)) {
     const runDir = join(HARNESS_ROOT, run);
-    const ownerPid = Number(readFileSafe(join(runDir, 'owner.pid')));
+    // The folder's name carries its owner's pid too: another process may be between creating the
+    // folder and writing owner.pid into it.
+    const ownerPid = Number(readFileSafe(join(runDir, 'owner.pid'))) || Number(/^run-(\d+)-/.exec(run)?.[1]);
     if (ownerPid && isAlive(ownerPid)) continue; // a harness that is still running
     for (const server of safeReaddir(runDir)) {
       const pid = Number(readFileSafe(join(runDir, server, 'server.pid')));
