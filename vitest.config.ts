@@ -2,7 +2,9 @@ import { defineConfig } from 'vitest/config';
 
 export default defineConfig({
   test: {
-    include: ['test/unit/**/*.test.ts', 'test/integration/**/*.test.ts', 'test/chaos/**/*.test.ts'],
+    // The chaos suite and the Redis topology tests have configs of their own
+    // (vitest.chaos.config.ts, vitest.topologies.config.ts): they start servers of their own.
+    include: ['test/unit/**/*.test.ts', 'test/integration/**/*.test.ts'],
     globalSetup: ['test/harness/global-setup.ts'],
     // The broker tests share servers: one file at a time.
     fileParallelism: false,
