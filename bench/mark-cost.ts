@@ -77,6 +77,15 @@ const ONLY = option('--only', '');
 const RUN_VARIANTS = ONLY
   ? VARIANTS.filter((variant) => ONLY.split(';').some((name) => name.trim() === variant.name))
   : VARIANTS;
+const unknown = ONLY.split(';')
+  .map((name) => name.trim())
+  .filter((name) => name && !VARIANTS.some((variant) => variant.name === name));
+if (unknown.length > 0) {
+  process.stderr.write(
+    `mark-cost: --only names no variant called ${unknown.map((name) => `'${name}'`).join(', ')}; the variants are ${VARIANTS.map((variant) => `'${variant.name}'`).join(', ')}\n`,
+  );
+  process.exit(2);
+}
 if (!RUN_VARIANTS.some((variant) => variant.name === 'no mark')) {
   process.stderr.write("mark-cost: --only must include 'no mark', the baseline\n");
   process.exit(2);
