@@ -574,7 +574,8 @@ async function measure(
   // A process mover starts when it is launched; Shovel when its parameter is set (rabbitmqctl's own
   // start is left out, which favours Shovel). rabbitmqctl may return after Shovel's first message
   // has arrived: then that arrival stands for the start.
-  const moverStart = typeof mover === 'string' ? Math.min(await shovelParameterSet, lastArrival - ms) : startedAt;
+  const moverStart =
+    typeof mover === 'string' ? Math.min(await shovelParameterSet, lastArrival - ms) : startedAt;
   lastFromStartRate = count / (Math.max(lastArrival - moverStart, 1) / 1000);
   if (typeof mover === 'string') {
     // Shovel acks each message once the target confirmed it: give its last acks time to land.
