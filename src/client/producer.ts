@@ -1,11 +1,11 @@
+import { randomUUID } from 'node:crypto';
 import type { ConfirmChannel, Options } from 'amqplib';
-import { v4 as uuidv4 } from 'uuid';
 import { backoffDelay, sleep } from '../backoff.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
 
 /** A new duplicate-detection ID: a random UUID. */
 export function newDedupId(): string {
-  return uuidv4();
+  return randomUUID();
 }
 
 /**

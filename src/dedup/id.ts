@@ -1,6 +1,5 @@
 import { isUtf8 } from 'node:buffer';
 import { createHash } from 'node:crypto';
-import { v5 as uuidv5 } from 'uuid';
 import type { IdStrategy } from '../config/id-from.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
 import { encodeValue, type FieldValue } from '../wire/fields.js';
@@ -14,7 +13,7 @@ export const MAX_ID_BYTES = 200;
 const RESERVED_PREFIXES = ['bytes:', 'num:', 'bool:', 'sha256:'];
 
 // Fixed namespace for content IDs: changing it would change every content-derived ID.
-const CONTENT_NAMESPACE = '3f1c7a52-9b0e-4d4e-8f5a-6c2b9d1e0a47';
+const CONTENT_NAMESPACE = Buffer.from('3f1c7a529b0e4d4e8f5a6c2b9d1e0a47', 'hex');
 
 // Headers that differ between deliveries of the same message, or that the bridge itself writes.
 const VOLATILE_HEADER = /^(x-death|x-first-death-|x-last-death-|x-delivery-count|x-dedup-)/;
@@ -214,7 +213,16 @@ export function contentId(message: IdSource): string {
   hashFields(hash, fields);
   hash.update(`body:${message.content.length}\n`);
   hash.update(message.content);
-  return uuidv5(hash.digest(), CONTENT_NAMESPACE);
+  return nameBasedUuid(CONTENT_NAMESPACE, hash.digest());
+}
+
+/** An RFC 9562 version 5 UUID (SHA-1 of namespace and name), as the uuid package's v5 makes it. */
+function nameBasedUuid(namespace: Buffer, name: Buffer): string {
+  const bytes = createHash('sha1').update(namespace).update(name).digest().subarray(0, 16);
+  bytes[6] = ((bytes[6] as number) & 0x0f) | 0x50;
+  bytes[8] = ((bytes[8] as number) & 0x3f) | 0x80;
+  const hex = bytes.toString('hex');
+  return `${hex.slice(0, 8)}-${hex.slice(8, 12)}-${hex.slice(12, 16)}-${hex.slice(16, 20)}-${hex.slice(20)}`;
 }
 
 type Hash = ReturnType<typeof createHash>;
