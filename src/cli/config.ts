@@ -1,6 +1,6 @@
 import type { Command } from 'commander';
-import { stringify } from 'yaml';
 import { describeConfig, loadConfigFile, resolveConfigRoutes } from '../config/file.js';
+import { stringifyYaml } from '../config/yaml.js';
 import { ExitCode } from '../errors.js';
 
 /** `dedup-bridge config check <file>`: validate a config file and show what `run` would use. */
@@ -13,7 +13,7 @@ export function addConfigCommands(program: Command, setExitCode: (code: number) 
       const file = loadConfigFile(path, 'config check');
       const routes = resolveConfigRoutes(path, file, {}, 'run');
       const summary = `# ${path}: valid, ${routes.length} route${routes.length === 1 ? '' : 's'}`;
-      process.stdout.write(`${summary}\n${stringify(describeConfig(file, routes))}`);
+      process.stdout.write(`${summary}\n${stringifyYaml(describeConfig(file, routes))}`);
       setExitCode(ExitCode.ok);
     });
 }

@@ -1,5 +1,4 @@
 import { readFileSync } from 'node:fs';
-import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS } from '../log.js';
@@ -28,6 +27,7 @@ import {
 } from './settings.js';
 import { formatSize, parseSize } from './size.js';
 import { isStreamUrl } from './stream-url.js';
+import { parseYaml } from './yaml.js';
 
 // A config file describes many routes for one `run` process. This module validates it with paths
 // (`routes[2].target.exchange: …`) and turns each route into RawOptions, so that resolveBridgeSettings

@@ -1,6 +1,5 @@
 import { createHash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import { parse as parseYaml } from 'yaml';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { parseDuration } from './duration.js';
@@ -17,6 +16,7 @@ import {
 } from './settings.js';
 import { isStreamUrl } from './stream-url.js';
 import { readCaFile } from './tls.js';
+import { parseYaml } from './yaml.js';
 
 /** What `migrate` collects: the bridge options, with repeatable queues and the job's own options. */
 export interface MigrateRawOptions extends Omit<RawOptions, 'sourceQueue'> {

@@ -1,4 +1,4 @@
-import cliProgress from 'cli-progress';
+import { createRequire } from 'node:module';
 import type { Logger } from '../log.js';
 import { activeSpanOf, type QueueProgress } from './job.js';
 import { handledOf, rateOf as rateOver } from './report.js';
@@ -61,6 +61,8 @@ export function showProgress(items: QueueProgress[], options: ProgressOptions): 
     }, options.intervalMs);
     return { stop: () => clearInterval(timer) };
   }
+  // Loaded only when bars are drawn (a terminal): a job's start does not wait for it otherwise.
+  const cliProgress = createRequire(import.meta.url)('cli-progress') as typeof import('cli-progress');
   const bars = new cliProgress.MultiBar(
     {
       format: ' {queue} |{bar}| {value}/{total} moved · {dups} dups · {rate} msg/s · ETA {etaText}',
