@@ -147,6 +147,11 @@ export interface Target {
    * behind them.
    */
   renewLeases?: (publishes: readonly Publish[]) => Promise<void>;
+  /**
+   * Set by the pipeline: told when the target reset its connection on its own because frames of
+   * publishes past their writeBy were still on this host (the process stalled before writing them).
+   */
+  onStaleWrites?: () => void;
 }
 
 /**

@@ -48,7 +48,18 @@ interface Connection {
   sentSinceLastCheck: boolean;
   channels: (ChannelRecord | undefined)[];
   recvFrame(): unknown;
-  muxer: { _readIncoming(): void };
+  /** Ends the connection as after a socket error: fails the channels and emits 'close'. */
+  onSocketError(error: Error): void;
+  muxer: Muxer;
+}
+
+const WRITE_GATE = Symbol('dedup-bridge write gate');
+
+interface Muxer {
+  _readIncoming(): void;
+  /** True while the socket is full: frames wait in the channels' buffers for its 'drain'. */
+  blocked: boolean;
+  [WRITE_GATE]?: WriteGate;
 }
 
 /** amqplib's Channel, as the bridge uses it. */
@@ -106,6 +117,7 @@ export function checkAmqplib(model?: ChannelModel): void {
     ['connection.stream', connection?.stream],
     ['connection.channels', connection?.channels],
     ['connection.recvFrame', connection?.recvFrame],
+    ['connection.onSocketError', connection?.onSocketError],
     ['connection.muxer', connection?.muxer?._readIncoming],
     ['connection.frameMax', connection?.frameMax],
   ].find(([, value]) => value === undefined);
@@ -241,10 +253,15 @@ export function routingBytesOf(fields: object): RoutingBytes | undefined {
  * sent first as a close would. The fence for publishes written under a lease that is running out
  * (see Pipeline): bytes that never left this host cannot reach the broker after another owner's.
  */
-export function resetConnection(model: ChannelModel): void {
-  const socket = connectionOf(model).stream;
+export function resetConnection(model: ChannelModel, reason: string): void {
+  const connection = connectionOf(model);
+  const socket = connection.stream;
   if (typeof socket.resetAndDestroy === 'function') socket.resetAndDestroy();
   else socket.destroy();
+  // amqplib learns that its socket ended only from an 'end' or 'error', and a destroy emits
+  // neither: untold, it would wait for a heartbeat to fail, every unconfirmed publish unanswered
+  // and the link not reconnecting meanwhile. Told now, it closes its channels at once.
+  connection.onSocketError(new Error(`connection reset by the bridge: ${reason}`));
 }
 
 /**
@@ -263,13 +280,38 @@ export function coalesceWrites(model: ChannelModel): void {
   const muxer = connection.muxer;
   const readIncoming = muxer._readIncoming.bind(muxer);
   muxer._readIncoming = () => {
+    const gate = muxer[WRITE_GATE];
+    if (gate && !gate.mayWrite()) return;
     socket.cork?.();
     try {
       readIncoming();
     } finally {
       socket.uncork?.();
     }
+    gate?.wrote(!muxer.blocked);
   };
+}
+
+/**
+ * Asked before each write cycle of a connection (see coalesceWrites). A publish's frames wait in
+ * amqplib's buffers until the next cycle, a setImmediate later: a process stopped in between
+ * (SIGSTOP, a VM paused) writes them when it resumes, before any timer of its own has run.
+ */
+export interface WriteGate {
+  /** False: the frames must not leave this host (the gate has reset the connection). */
+  mayWrite(): boolean;
+  /** After a cycle: whether it wrote everything queued, or the socket filled and some wait. */
+  wrote(all: boolean): void;
+}
+
+/**
+ * Puts a gate before the writes of a connection whose writes are coalesced. connectAmqp checked
+ * every connection it made for amqplib's muxer (see checkAmqplib); one without it (a unit test's
+ * stand-in) has no write cycle to gate.
+ */
+export function gateWrites(model: ChannelModel, gate: WriteGate): void {
+  const muxer = (connectionOf(model) as Partial<Connection> | undefined)?.muxer;
+  if (muxer) muxer[WRITE_GATE] = gate;
 }
 
 /** The channel was closed, or is closing: the publish was not sent. */

@@ -42,7 +42,10 @@ export class QueueTarget implements TargetSide {
     const where = `target broker at ${redactUrl(options.urls[0] ?? '')}`;
     this.publisher = new TargetPublisher(options.exchange, options.routingKey, options.queue, where, log);
     this.publisher.onBroken = (reason) => this.link.reset(reason);
+    this.publisher.onStaleWrites = () => this.onStaleWrites?.();
   }
+
+  onStaleWrites: (() => void) | undefined;
 
   set onFatal(report: (error: BridgeError) => void) {
     this.link.onFatal = report;

@@ -6,7 +6,7 @@ import type { Logger } from '../log.js';
 import type { Publish, PublishOutcome, Target } from '../ports.js';
 import { ContentHeaderError, contentHeaderOf } from '../wire/properties.js';
 import { accessRefused, replyCodeOf } from './errors.js';
-import { ChannelGoneError, publishRaw, resetConnection } from './internals.js';
+import { ChannelGoneError, gateWrites, publishRaw, resetConnection } from './internals.js';
 import { ClosedOverSize, refusalOfClose, tooLargeDetail } from './refusal.js';
 import { checkExchangeExists, checkQueueExists, openChannel } from './source.js';
 
@@ -81,6 +81,10 @@ export class TargetPublisher implements Target {
   onBroken: (reason: string) => void = () => {};
   /** Called when the target refuses us for good (no write permission): the owner stops. */
   onFatal: (error: BridgeError) => void = () => {};
+  /** Told when a write gate reset the connection (see attach): frames outlived their writeBy here. */
+  onStaleWrites: () => void = () => {};
+  /** The earliest writeBy of the publishes handed to amqplib and not yet written to the socket. */
+  private unwrittenBy = Number.POSITIVE_INFINITY;
 
   constructor(
     /** '' is the default exchange (then the routing key names the target queue). */
@@ -100,6 +104,24 @@ export class TargetPublisher implements Target {
     });
     this.connection = connection;
     this.trial = undefined;
+    this.unwrittenBy = Number.POSITIVE_INFINITY;
+    // A publish checked against its writeBy still waits in amqplib's buffers for the next write
+    // cycle: if the process stalled in between, its frames would leave late, after another owner
+    // took the ID over and sent a flagged copy. Checked again at the write, they stay here.
+    gateWrites(connection, {
+      mayWrite: () => {
+        if (performance.now() <= this.unwrittenBy) return true;
+        this.unwrittenBy = Number.POSITIVE_INFINITY;
+        this.onStaleWrites();
+        const reason = 'publishes past their writeBy were still on this host (the process stalled)';
+        this.log.warn({ reason }, `${this.where}: resetting the connection`);
+        resetConnection(connection, reason);
+        return false;
+      },
+      wrote: (all) => {
+        if (all) this.unwrittenBy = Number.POSITIVE_INFINITY;
+      },
+    });
     connection.on('blocked', (reason: string) => {
       this.blocked = true;
       this.blockedAt ??= { since: Date.now(), reason };
@@ -409,6 +431,8 @@ export class TargetPublisher implements Target {
           settle(closed.closed ? 'unknown' : 'rejected');
         });
       });
+      // Its frames are in amqplib's buffers now, until the next write cycle (see attach).
+      if (publish.writeBy < this.unwrittenBy) this.unwrittenBy = publish.writeBy;
       if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
     } catch (error) {
       if (error instanceof ChannelGoneError) {
@@ -448,7 +472,7 @@ export class TargetPublisher implements Target {
     const connection = this.connection;
     if (!connection) return;
     this.log.warn({ reason }, `${this.where}: resetting the connection`);
-    resetConnection(connection);
+    resetConnection(connection, reason);
   }
 
   /** Ends every wait for the target (publishes still waiting resolve as 'lost'). */

@@ -32,7 +32,10 @@ export class Leases {
     private readonly target: Target,
     private readonly counters: RouteCounters,
     private readonly log: Logger,
-  ) {}
+  ) {
+    // The target's own fence at the write (a stall between a publish and its write) counts too.
+    target.onStaleWrites = () => this.counters.fenceResets++;
+  }
 
   start(): void {
     const renewEvery = Math.max(100, Math.floor(this.leaseMs / 3));

@@ -16,6 +16,7 @@ function fakeConnection(reads: Buffer[]) {
     stream: { read: () => reads.shift() ?? null },
     channels: [],
     recvFrame: () => false as unknown,
+    onSocketError: () => {},
     muxer: { _readIncoming: () => {} },
     frameMax: 131_072,
     maxFrameSize: 131_072,
