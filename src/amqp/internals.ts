@@ -43,6 +43,7 @@ interface Connection {
     uncork?(): void;
     destroy(): void;
     resetAndDestroy?(): void;
+    readonly writableLength: number;
   };
   recvSinceLastCheck: boolean;
   sentSinceLastCheck: boolean;
@@ -256,8 +257,14 @@ export function routingBytesOf(fields: object): RoutingBytes | undefined {
 export function resetConnection(model: ChannelModel, reason: string): void {
   const connection = connectionOf(model);
   const socket = connection.stream;
-  if (typeof socket.resetAndDestroy === 'function') socket.resetAndDestroy();
-  else socket.destroy();
+  try {
+    if (typeof socket.resetAndDestroy === 'function') socket.resetAndDestroy();
+    else socket.destroy();
+  } catch {
+    // A TLS socket has no TCP handle to reset (ERR_INVALID_HANDLE_TYPE): closed instead, what
+    // this process holds is dropped, but its kernel still sends what it had taken.
+    socket.destroy();
+  }
   // amqplib learns that its socket ended only from an 'end' or 'error', and a destroy emits
   // neither: untold, it would wait for a heartbeat to fail, every unconfirmed publish unanswered
   // and the link not reconnecting meanwhile. Told now, it closes its channels at once.
@@ -288,7 +295,8 @@ export function coalesceWrites(model: ChannelModel): void {
     } finally {
       socket.uncork?.();
     }
-    gate?.wrote(!muxer.blocked);
+    // Written means taken by the kernel: not left in amqplib's buffers nor in the socket's own.
+    gate?.wrote(!muxer.blocked && socket.writableLength === 0);
   };
 }
 

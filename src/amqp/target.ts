@@ -83,8 +83,10 @@ export class TargetPublisher implements Target {
   onFatal: (error: BridgeError) => void = () => {};
   /** Told when a write gate reset the connection (see attach): frames outlived their writeBy here. */
   onStaleWrites: () => void = () => {};
-  /** The earliest writeBy of the publishes handed to amqplib and not yet written to the socket. */
-  private unwrittenBy = Number.POSITIVE_INFINITY;
+  /** Per connection: the publishes handed to amqplib since its last write cycle emptied its buffers. */
+  private readonly unwritten = new WeakMap<ChannelModel, Publish[]>();
+  /** Each channel's connection. */
+  private readonly connectionOf = new WeakMap<ConfirmChannel, ChannelModel>();
 
   constructor(
     /** '' is the default exchange (then the routing key names the target queue). */
@@ -104,24 +106,6 @@ export class TargetPublisher implements Target {
     });
     this.connection = connection;
     this.trial = undefined;
-    this.unwrittenBy = Number.POSITIVE_INFINITY;
-    // A publish checked against its writeBy still waits in amqplib's buffers for the next write
-    // cycle: if the process stalled in between, its frames would leave late, after another owner
-    // took the ID over and sent a flagged copy. Checked again at the write, they stay here.
-    gateWrites(connection, {
-      mayWrite: () => {
-        if (performance.now() <= this.unwrittenBy) return true;
-        this.unwrittenBy = Number.POSITIVE_INFINITY;
-        this.onStaleWrites();
-        const reason = 'publishes past their writeBy were still on this host (the process stalled)';
-        this.log.warn({ reason }, `${this.where}: resetting the connection`);
-        resetConnection(connection, reason);
-        return false;
-      },
-      wrote: (all) => {
-        if (all) this.unwrittenBy = Number.POSITIVE_INFINITY;
-      },
-    });
     connection.on('blocked', (reason: string) => {
       this.blocked = true;
       this.blockedAt ??= { since: Date.now(), reason };
@@ -147,9 +131,47 @@ export class TargetPublisher implements Target {
     this.drained = undefined;
   }
 
+  /**
+   * A publish checked against its writeBy still waits in amqplib's buffers for the connection's
+   * next write cycle: if the process stalled in between (SIGSTOP, a paused VM), its frames would
+   * leave on waking, after another owner took the ID over and sent a flagged copy. So the cycle
+   * checks them again, as they are then (a renewal moves writeBy on), and resets the connection
+   * instead of writing when one is past it. A publish already answered has left and is not looked at.
+   */
+  private gate(connection: ChannelModel): void {
+    const unwritten: Publish[] = [];
+    this.unwritten.set(connection, unwritten);
+    gateWrites(connection, {
+      mayWrite: () => {
+        if (unwritten.length === 0) return true;
+        const now = performance.now();
+        let stale = false;
+        let kept = 0;
+        for (const publish of unwritten) {
+          if (!publish.written) continue;
+          if (publish.writeBy < now) stale = true;
+          unwritten[kept++] = publish;
+        }
+        unwritten.length = kept;
+        if (!stale) return true;
+        unwritten.length = 0;
+        this.onStaleWrites();
+        const reason = 'publishes past their writeBy were still on this host (the process stalled)';
+        this.log.warn({ reason }, `${this.where}: resetting the connection`);
+        resetConnection(connection, reason);
+        return false;
+      },
+      wrote: (all) => {
+        if (all) unwritten.length = 0;
+      },
+    });
+  }
+
   /** A confirm channel whose closes and returns are tracked (the main one, or a trial channel). */
   private async openPublishing(connection: ChannelModel, name: string): Promise<ConfirmChannel> {
     const channel = await connection.createConfirmChannel();
+    this.connectionOf.set(channel, connection);
+    if (!this.unwritten.has(connection)) this.gate(connection);
     const flag: ChannelEnd = { closed: false, byServer: false };
     this.closedFlags.set(channel, flag);
     channel.on('error', (error: Error) => {
@@ -431,8 +453,9 @@ export class TargetPublisher implements Target {
           settle(closed.closed ? 'unknown' : 'rejected');
         });
       });
-      // Its frames are in amqplib's buffers now, until the next write cycle (see attach).
-      if (publish.writeBy < this.unwrittenBy) this.unwrittenBy = publish.writeBy;
+      // Its frames are in amqplib's buffers now, until the next write cycle (see gate).
+      const connection = this.connectionOf.get(channel);
+      if (connection) this.unwritten.get(connection)?.push(publish);
       if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
     } catch (error) {
       if (error instanceof ChannelGoneError) {

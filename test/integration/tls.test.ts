@@ -1,5 +1,8 @@
 import { readFileSync } from 'node:fs';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { QueueTarget } from '../../src/amqp/queue-target.js';
+import { createLogger } from '../../src/observe/log.js';
+import type { PublishOutcome } from '../../src/ports.js';
 import { StreamClient } from '../../src/stream/client.js';
 import { startTlsServers, type TlsServers } from '../harness/tls.js';
 import {
@@ -14,10 +17,12 @@ import {
   runCli,
   servers,
   startCli,
+  takeAll,
   uniqueName,
   waitFor,
   withOption,
 } from '../helpers.js';
+import { basicProperties, field, longString, table } from '../wire.js';
 
 // One RabbitMQ node and one Redis, each with a plain and a TLS port, with certificates made for
 // this run: only this file pays for starting them.
@@ -103,6 +108,53 @@ async function bridgeConnections(): Promise<string[]> {
 }
 
 describe('TLS (amqps:// and rediss://)', () => {
+  it('a fenced target connection over amqps is reset like a plain one, without an exception, and reconnects', async () => {
+    // A TLS socket has no TCP handle to reset: Node throws ERR_INVALID_HANDLE_TYPE, which used to
+    // escape the fence (from a timer or the write gate) and end the process.
+    const queue = uniqueName('tls-fence');
+    await declareQueue(plainAmqp(), queue);
+    const target = new QueueTarget(
+      {
+        urls: [amqps()],
+        exchange: '',
+        routingKey: queue,
+        queue,
+        retryForMs: 10_000,
+        tls: { ca: tls.certs.ca, cert: tls.certs.clientCert, key: tls.certs.clientKey },
+        stop: undefined,
+      },
+      createLogger('silent'),
+    );
+    await target.start();
+    try {
+      const publish = (id: string) =>
+        new Promise<PublishOutcome>((resolve) =>
+          target.send(
+            {
+              properties: basicProperties({ headers: table(field('_HQ_DUPL_ID', longString(id))) }),
+              content: Buffer.from(id),
+              routingKey: '',
+              id: longString(id).toString('latin1'),
+              writeBy: performance.now() + 10_000,
+            },
+            resolve,
+          ),
+        );
+      expect(await publish('before-the-reset')).toBe('stored');
+      const wasDown = waitFor(() => !target.isUp, 15_000, 5);
+      expect(() => target.reset('a test of the fence over TLS')).not.toThrow();
+      expect(await wasDown, 'the reset dropped the connection').toBe(true);
+      expect(await waitFor(() => target.isUp, 15_000)).toBe(true);
+      expect(await publish('after-the-reset')).toBe('stored');
+      const ids = (await takeAll(plainAmqp(), queue)).map((message) =>
+        String(message.properties.headers?._HQ_DUPL_ID),
+      );
+      expect(ids).toEqual(['before-the-reset', 'after-the-reset']);
+    } finally {
+      await target.close();
+    }
+  });
+
   it('run forwards over amqps on both sides and rediss with the right CA, through the TLS listener only', async () => {
     const { source, target } = await tlsQueues(300);
     await publishAll(plainAmqp(), source, numbered('tls', 100).messages); // resent: must not arrive twice
