@@ -81,12 +81,12 @@ export class TargetPublisher implements Target {
   onBroken: (reason: string) => void = () => {};
   /** Called when the target refuses us for good (no write permission): the owner stops. */
   onFatal: (error: BridgeError) => void = () => {};
-  /** Told when a write gate reset the connection (see attach): frames outlived their writeBy here. */
+  /** Told when a write gate reset the connection (see gate): frames outlived their writeBy here. */
   onStaleWrites: () => void = () => {};
   /** Per connection: the publishes handed to amqplib since its last write cycle emptied its buffers. */
   private readonly unwritten = new WeakMap<ChannelModel, Publish[]>();
-  /** Each channel's connection. */
-  private readonly connectionOf = new WeakMap<ConfirmChannel, ChannelModel>();
+  /** Each channel's connection's list in `unwritten`: one lookup per publish. */
+  private readonly unwrittenOf = new WeakMap<ConfirmChannel, Publish[]>();
 
   constructor(
     /** '' is the default exchange (then the routing key names the target queue). */
@@ -138,7 +138,7 @@ export class TargetPublisher implements Target {
    * checks them again, as they are then (a renewal moves writeBy on), and resets the connection
    * instead of writing when one is past it. A publish already answered has left and is not looked at.
    */
-  private gate(connection: ChannelModel): void {
+  private gate(connection: ChannelModel): Publish[] {
     const unwritten: Publish[] = [];
     this.unwritten.set(connection, unwritten);
     gateWrites(connection, {
@@ -165,13 +165,13 @@ export class TargetPublisher implements Target {
         if (all) unwritten.length = 0;
       },
     });
+    return unwritten;
   }
 
   /** A confirm channel whose closes and returns are tracked (the main one, or a trial channel). */
   private async openPublishing(connection: ChannelModel, name: string): Promise<ConfirmChannel> {
     const channel = await connection.createConfirmChannel();
-    this.connectionOf.set(channel, connection);
-    if (!this.unwritten.has(connection)) this.gate(connection);
+    this.unwrittenOf.set(channel, this.unwritten.get(connection) ?? this.gate(connection));
     const flag: ChannelEnd = { closed: false, byServer: false };
     this.closedFlags.set(channel, flag);
     channel.on('error', (error: Error) => {
@@ -454,8 +454,7 @@ export class TargetPublisher implements Target {
         });
       });
       // Its frames are in amqplib's buffers now, until the next write cycle (see gate).
-      const connection = this.connectionOf.get(channel);
-      if (connection) this.unwritten.get(connection)?.push(publish);
+      this.unwrittenOf.get(channel)?.push(publish);
       if (!ok && watchDrain && !this.drained) this.waitForDrain(channel);
     } catch (error) {
       if (error instanceof ChannelGoneError) {
