@@ -193,11 +193,9 @@ function typeName(value: FieldValue): string {
 }
 
 /**
- * UUIDv5 of a SHA-256 over body, exchange, routing key and the stable headers. Every field is hashed
- * by its kind and exact value, in the forms of earlier versions wherever those were exact, so that
- * content IDs committed by them still match: numbers by their value, whatever their AMQP type (an
- * `I 5` and an `l 5`, a `d 42.0` and an `I 42` hash alike, as they did), while what amqplib lost
- * (64-bit integers no double holds, bytes that are not UTF-8) is hashed exactly.
+ * UUIDv5 of a SHA-256 over body, exchange, routing key and the stable headers. Headers are sorted by
+ * name (a producer's map order does not matter) and hashed by type and exact bytes: an `I 5` and an
+ * `l 5`, or a decimal and a table that spells it out, are different messages.
  */
 export function contentId(message: IdSource): string {
   const hash = createHash('sha256');
@@ -227,8 +225,8 @@ function nameBasedUuid(namespace: Buffer, name: Buffer): string {
 
 type Hash = ReturnType<typeof createHash>;
 
-// An exchange or routing key: as text where it is UTF-8 (as earlier versions did), else its bytes
-// behind a mark that text's form never starts with.
+// An exchange or routing key: as text where it is UTF-8, else its bytes behind a mark that text's
+// form never starts with.
 function hashName(hash: Hash, name: string | Buffer): void {
   const text = typeof name === 'string' ? name : isUtf8(name) ? name.toString('utf8') : undefined;
   if (text !== undefined) {
@@ -245,7 +243,7 @@ interface HashedField {
   value: () => FieldValue;
 }
 
-// Fields sorted by name; a name given once is hashed as before, a repeated one each time.
+// Fields sorted by name; a repeated name is hashed once per value, in their order.
 function hashFields(hash: Hash, fields: HashedField[]): void {
   const byName = new Map<string, HashedField[]>();
   for (const field of fields) {
@@ -270,65 +268,24 @@ function hashFields(hash: Hash, fields: HashedField[]): void {
   }
 }
 
-// A typed, length-prefixed encoding, so that distinct header sets never hash alike.
+// Each value by its AMQP type tag and exact bytes (the wire's own encoding, which is self-delimiting),
+// so no two different headers hash alike; tables by their fields sorted by name, at any depth.
 function hashValue(hash: Hash, value: FieldValue): void {
   switch (value.type) {
-    case 'x':
-      hash.update(`x${value.value.length}:`);
-      hash.update(value.value);
-      return;
-    case 'S':
-      if (isUtf8(value.value)) {
-        hash.update(`s${value.value.length}:`);
-      } else {
-        hash.update(`S${value.value.length}:`);
-      }
-      hash.update(value.value);
-      return;
     case 'A':
-      hash.update(`a${value.value.length}[`);
+      hash.update(`A${value.value.length}[`);
       for (const item of value.value) hashValue(hash, item);
       hash.update(']');
       return;
-    case 'F': {
-      const names = new Set(value.value.map((field) => field.name.toString('hex')));
-      hash.update(`t${names.size}{`);
+    case 'F':
+      hash.update(`F${value.value.length}{`);
       hashFields(
         hash,
         value.value.map((field) => ({ name: field.name, value: () => field.value })),
       );
       hash.update('}');
       return;
-    }
-    case 'D':
-      hash.update(
-        `t2{1:!=s7:decimal5:value=t2{6:digits=number:${value.digits};6:places=number:${value.places};}}`,
-      );
-      return;
-    case 'T':
-      hash.update(`t2{1:!=s9:timestamp5:value=${integerForm(value.value)}}`);
-      return;
-    case 'l':
-      hash.update(integerForm(value.value));
-      return;
-    case 't':
-      hash.update(`boolean:${value.value};`);
-      return;
-    case 'V':
-      hash.update('object:null;');
-      return;
-    case 'f':
-    case 'd':
-      hash.update(`number:${value.value};`);
-      return;
     default:
-      hash.update(`number:${value.value};`);
+      hash.update(encodeValue(value));
   }
-}
-
-// A 64-bit integer as earlier versions hashed it (as a double) where that double is exactly it;
-// otherwise by its digits, which earlier versions rounded.
-function integerForm(value: bigint): string {
-  const n = Number(value);
-  return BigInt(n) === value ? `number:${n};` : `bigint:${value};`;
 }

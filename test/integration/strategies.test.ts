@@ -1,4 +1,7 @@
 import { describe, expect, it } from 'vitest';
+import { connectAmqp } from '../../src/amqp/connect.js';
+import { publishRaw } from '../../src/amqp/internals.js';
+import { createLogger } from '../../src/observe/log.js';
 import {
   countDelivery,
   declareQueue,
@@ -9,8 +12,21 @@ import {
   publishAll,
   queuePair,
   takeAll,
+  takeRaw,
   uniqueName,
 } from '../helpers.js';
+import {
+  basicProperties,
+  decimal,
+  field,
+  int32,
+  int64,
+  longString,
+  nested,
+  table,
+  timestamp,
+  uint8,
+} from '../wire.js';
 
 describe('ID strategies end to end', () => {
   it('message-id: resent messages with the same message_id arrive once, with _HQ_DUPL_ID set to it', async () => {
@@ -70,6 +86,61 @@ describe('ID strategies end to end', () => {
         /^[0-9a-f]{8}-[0-9a-f]{4}-5[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$/,
       );
     }
+  });
+
+  // Built byte by byte: a Java producer's decimal and timestamp headers, which amqplib decodes to the
+  // same objects as tables that spell them out. They are four different messages, not duplicates.
+  it('content: a decimal or timestamp header and the table amqplib decodes it to are different messages', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const spelled = (kind: string, value: Buffer) =>
+      nested(table(field('!', longString(kind)), field('value', value)));
+    const headers: [string, Buffer][] = [
+      ['decimal', field('h', decimal(2, 500))],
+      [
+        'decimal as a table',
+        field('h', spelled('decimal', nested(table(field('digits', int32(500)), field('places', uint8(2)))))),
+      ],
+      ['timestamp', field('h', timestamp(1700000000n))],
+      ['timestamp as a table', field('h', spelled('timestamp', int64(1700000000n)))],
+      ['decimal again', field('h', decimal(2, 500))],
+    ];
+    const connection = await connectAmqp(sourceUrl, {
+      side: 'source',
+      retryForMs: 5000,
+      log: createLogger('silent'),
+    });
+    try {
+      const channel = await connection.createConfirmChannel();
+      for (const [, header] of headers) {
+        publishRaw(
+          channel,
+          '',
+          source,
+          basicProperties({ headers: table(header) }),
+          Buffer.from('same body'),
+          () => {},
+        );
+      }
+      await channel.waitForConfirms();
+    } finally {
+      await connection.close();
+    }
+
+    const run = await migrateWithReport(
+      migrateArgs(source, ['--target-queue', target], '--id-from', 'content'),
+    );
+    expect(run.code, run.stderr).toBe(0);
+    const arrived = await takeRaw(targetUrl, target);
+    const labelOf = (header: Buffer) =>
+      headers.slice(0, 4).find(([, field]) => header.includes(field))?.[0] ??
+      `unexpected ${header.toString('hex')}`;
+    const count = countDelivery(
+      'content by header type',
+      headers.slice(0, 4).map(([label]) => label),
+      arrived.map((m) => labelOf(m.header)),
+    );
+    expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+    expect(run.report).toMatchObject({ forwarded: 4, duplicates: 1, remaining: 0 });
   });
 
   it('an ID header of an unsupported type: the next strategy decides, it is counted, nothing is lost', async () => {
