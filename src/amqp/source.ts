@@ -37,6 +37,10 @@ interface AckState {
  */
 const HOLD_OUT_OF_ORDER_MS = 200;
 const HOLD_AT_MOST_OF_PREFETCH = 0.25;
+// How long a restart of the consumer waits for the broker to send what it still may (then the
+// queue is taken to be empty, the settlements held go, and a restart is not tried for a while).
+const SPEND_WAIT_MS = 500;
+const RESTART_RETRY_MS = 5000;
 
 /** A stand-in message for acking by delivery tag. */
 function tagged(deliveryTag: number): Message {
@@ -71,6 +75,15 @@ type SourceQueueType = 'classic' | 'quorum' | 'stream' | 'unknown' | (string & {
 /** Matches a parked copy that came back unroutable to its publish. */
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';
 const PARK_HEADERS = [PARK_REASON_HEADER, PARK_SEQ_HEADER];
+
+/** What a consumer reserves its deliveries against (migrate --max-messages: MessageBudget). */
+export interface DeliveryBudget {
+  readonly available: number;
+  reserve(n: number): number;
+  delivered(): void;
+  release(n: number): void;
+  whenReleased(wake: () => void): void;
+}
 
 /**
  * The source side: a consuming channel with manual acks and a prefetch, a probe channel for queue
@@ -121,6 +134,24 @@ export class SourceQueue implements Source {
   private givenBackPastLimit = 0;
   /** Set from the management API at start, when it is configured (see source-ttl.ts). */
   deliveryLimit: SourceDeliveryLimit | undefined;
+  /** migrate --max-messages: what each consumer reserves its deliveries against. */
+  budget: DeliveryBudget | undefined;
+  /** Deliveries the live consumer may still be sent (reserved in the budget), and its channel. */
+  private credit = 0;
+  private creditOn: Channel | undefined;
+  /**
+   * The live consumer's first delivery tag: the broker's window is per consumer, so only settling
+   * its own deliveries lets it send more (those of a cancelled consumer free nothing).
+   */
+  private creditFrom: number | undefined;
+  /** True while a cancel waits for the broker to have nothing on its way to the consumer. */
+  private holdSettles = false;
+  /** Called when the live consumer's credit reaches 0 (see creditSpent). */
+  private whenSpent: (() => void) | undefined;
+  /** A restart that found deliveries still coming is not tried again before this time. */
+  private restartAfter = 0;
+  /** Returns held while the consumer's credit is spent: a return opens a window slot, as an ack. */
+  private heldNacks: { channel: Channel; message: ConsumeMessage; requeue: boolean }[] = [];
   /** The source broker's major version (RabbitMQ 4 gives every quorum queue a delivery limit). */
   private brokerMajor: number | undefined;
   /** Runs before consuming on a new connection (the pipeline settles what the old one left). */
@@ -210,6 +241,7 @@ export class SourceQueue implements Source {
   /** Forgets the channels of a lost connection: their unacked messages go back to the queue. */
   detach(): void {
     // A reset of a link that is still open (a channel of it closed): its held acks still count.
+    this.releaseCredit();
     this.sendHeldAcks();
     this.channel = undefined;
     this.probe = undefined;
@@ -231,6 +263,22 @@ export class SourceQueue implements Source {
     const handler = this.onMessage;
     // basic.qos applies to the consumers started after it: each consumer gets the window that fits.
     const window = this.bytes.windowFor(this.prefetch);
+    if (this.budget) {
+      window.window = this.budget.reserve(window.window);
+      if (window.window === 0) {
+        // Spent, or what is left is reserved by another route's consumer: wait for it.
+        this.paused = true;
+        this.budget.whenReleased(() => this.flow());
+        return;
+      }
+    }
+    // Credit is kept where a delivery on its way when the consumer is cancelled costs something: on
+    // a queue that counts deliveries, and against a budget.
+    if (this.budget || this.countsDeliveries) {
+      this.credit = window.window;
+      this.creditOn = channel;
+      this.creditFrom = undefined;
+    }
     await channel.prefetch(window.window);
     this.bytes.consumerStarted(window.window);
     // Before the consume: its first deliveries may come before the consume-ok is handled here, and
@@ -272,6 +320,14 @@ export class SourceQueue implements Source {
         this.onBroken('the broker cancelled the consumer');
       }
       return;
+    }
+    if (this.creditOn === channel) {
+      this.creditFrom ??= message.fields.deliveryTag;
+      if (this.credit > 0) {
+        this.credit--;
+        this.budget?.delivered();
+        if (this.credit === 0) this.whenSpent?.();
+      }
     }
     // The bound returns a delivery unread only to a classic queue, and at most once (a redelivered
     // one is taken even past the bound): every return counts toward a quorum queue's delivery
@@ -344,20 +400,36 @@ export class SourceQueue implements Source {
       // Once nothing is held, a window twice as large (the bodies got smaller), or the whole
       // prefetch (a window opened while messages were held was that much smaller), is worth a
       // new consumer.
-      const next = bytes.windowFor(this.prefetch).window;
       const current = this.window.window;
+      const next = Math.min(
+        bytes.windowFor(this.prefetch).window,
+        this.budget ? current + this.budget.available : Number.POSITIVE_INFINITY,
+      );
       const grow =
         this.window.sized &&
         (bytes.takesAll
           ? this.delivered >= current && next > current
           : bytes.count === 0 && (next >= 2 * current || (next === this.prefetch && current < next)));
       if (!pause && !size && !grow) return;
+      // RabbitMQ (3.10's quorum queues) returns what was on its way to a consumer when it is
+      // cancelled, and counts each return toward the delivery limit: cancel it only once the broker
+      // has nothing left to send it, with its settlements held meanwhile.
+      if (this.creditOn === channel && !(await this.creditSpent())) return;
+      if (this.consumerTag !== tag || this.channel !== channel) {
+        // Stopped or reset meanwhile (their cancel released the credit); else nothing is held.
+        if (this.creditOn === channel) {
+          this.holdSettles = false;
+          this.settleHeld(channel);
+        }
+        return;
+      }
       this.paused = true;
       // A new window, not a pause: the route goes on consuming, as readiness says (see consumption).
       this.recreating = !pause;
       this.consumerTag = undefined;
       // What was delivered before the cancel stays ours to ack; nothing comes after its cancel-ok.
       await channel.cancel(tag).catch(() => {});
+      this.releaseCredit();
     }
     try {
       this.returnUnread();
@@ -391,6 +463,7 @@ export class SourceQueue implements Source {
     this.consumerTag = undefined;
     // A broker that does not answer must not hold up a stop: wait at most 3 s for the cancel.
     if (tag && this.channel) await Promise.race([this.channel.cancel(tag).catch(() => {}), sleep(3000)]);
+    this.releaseCredit();
     // What did not fit goes back now, not when the connection closes.
     this.returnUnread();
   }
@@ -459,8 +532,17 @@ export class SourceQueue implements Source {
     acks.scheduled = false;
     if (channel !== this.channel) return;
     let upTo: number | undefined;
+    let allowed = Number.POSITIVE_INFINITY;
+    if (this.creditOn === channel) {
+      let run = 0;
+      for (const tag of acks.unsettled) {
+        if (!acks.ready.has(tag)) break;
+        if (this.needsCredit(channel, tag)) run++;
+      }
+      allowed = this.settleCredit(channel, run);
+    }
     for (const tag of acks.unsettled) {
-      if (!acks.ready.has(tag)) break;
+      if (!acks.ready.has(tag) || (this.needsCredit(channel, tag) && allowed-- <= 0)) break;
       acks.unsettled.delete(tag);
       acks.ready.delete(tag);
       upTo = tag;
@@ -480,6 +562,8 @@ export class SourceQueue implements Source {
           ).unref();
           break;
         }
+        // Held for the budget: sent once the consumer is cancelled (see releaseCredit).
+        if (this.needsCredit(channel, tag) && this.settleCredit(channel, 1) === 0) break;
         acks.unsettled.delete(tag);
         acks.ready.delete(tag);
         channel.ack(tagged(tag));
@@ -513,6 +597,15 @@ export class SourceQueue implements Source {
     this.release(message);
     const channel = this.liveChannelOf(message);
     if (!channel) return false;
+    if (this.needsCredit(channel, message.fields.deliveryTag) && this.settleCredit(channel, 1) === 0) {
+      // Still unsettled, so that no `multiple` ack covers it: sent once the consumer is cancelled.
+      this.heldNacks.push({ channel, message, requeue });
+      return true;
+    }
+    return this.sendNack(channel, message, requeue);
+  }
+
+  private sendNack(channel: Channel, message: ConsumeMessage, requeue: boolean): boolean {
     const acks = this.acksOf(channel);
     acks.unsettled.delete(message.fields.deliveryTag);
     try {
@@ -680,6 +773,77 @@ export class SourceQueue implements Source {
   }
 
   /** Sends every ack still collected or waiting for an older message (before a close). */
+  /**
+   * How many of `n` settlements may go now: while a consumer with reserved credit is live, each one
+   * lets the broker send one more delivery, so it needs one more reserved in the budget.
+   */
+  private settleCredit(channel: Channel, n: number): number {
+    if (this.creditOn !== channel) return n;
+    if (this.holdSettles) return 0;
+    const granted = this.budget ? this.budget.reserve(n) : n;
+    this.credit += granted;
+    return granted;
+  }
+
+  /**
+   * Holds the live consumer's settlements until the broker has no delivery left to send it (its
+   * credit is spent): true then, and they stay held until its cancel-ok (see releaseCredit). False
+   * when deliveries stop first (the queue is empty): they go, and the restart waits a while.
+   */
+  private async creditSpent(): Promise<boolean> {
+    if (this.credit > 0 && Date.now() < this.restartAfter) return false;
+    this.holdSettles = true;
+    if (this.credit === 0) return true;
+    const spent = await new Promise<boolean>((resolve) => {
+      const timer = setTimeout(() => {
+        this.whenSpent = undefined;
+        resolve(false);
+      }, SPEND_WAIT_MS);
+      this.whenSpent = () => {
+        clearTimeout(timer);
+        this.whenSpent = undefined;
+        resolve(true);
+      };
+    });
+    if (!spent) {
+      this.restartAfter = Date.now() + RESTART_RETRY_MS;
+      this.holdSettles = false;
+      const channel = this.creditOn;
+      if (channel) this.settleHeld(channel);
+    }
+    return spent;
+  }
+
+  /** Sends the settlements held on `channel` that may go now. */
+  private settleHeld(channel: Channel): void {
+    const held = this.heldNacks;
+    this.heldNacks = [];
+    for (const each of held) {
+      if (each.channel !== channel || channel !== this.channel) continue;
+      if (this.needsCredit(channel, each.message.fields.deliveryTag) && this.settleCredit(channel, 1) === 0)
+        this.heldNacks.push(each);
+      else this.sendNack(channel, each.message, each.requeue);
+    }
+    if (channel === this.channel) this.flushAcks(channel, this.acksOf(channel));
+  }
+
+  private needsCredit(channel: Channel, tag: number): boolean {
+    return this.creditOn === channel && this.creditFrom !== undefined && tag >= this.creditFrom;
+  }
+
+  /** The consumer is cancelled (or its channel gone): its credit goes back, what it held is sent. */
+  private releaseCredit(): void {
+    const channel = this.creditOn;
+    if (channel === undefined) return;
+    this.creditOn = undefined;
+    this.creditFrom = undefined;
+    this.holdSettles = false;
+    this.whenSpent?.();
+    this.budget?.release(this.credit);
+    this.credit = 0;
+    this.settleHeld(channel);
+  }
+
   sendHeldAcks(): void {
     if (this.channel) this.flushAcks(this.channel, this.acksOf(this.channel), true);
   }

@@ -164,8 +164,8 @@ export async function startBridge(
   limits: BridgeLimits = {},
 ): Promise<Bridge> {
   const routeLog = log.child({ route: settings.route });
-  // No more deliveries than --max-messages lets this run take: one past it is returned, and a
-  // quorum queue counts that return toward its delivery limit.
+  // No window larger than --max-messages lets this run take (a queue consumer also reserves what
+  // the broker may send it against the budget: see MessageBudget).
   const prefetch = Math.max(1, Math.min(settings.prefetch, limits.budget?.remaining ?? settings.prefetch));
   const sourceLink = sourceLinkOf(settings, prefetch, routeLog, limits);
   const source = sourceLink.source;
@@ -472,6 +472,7 @@ function sourceLinkOf(
     new InFlightBytes(settings.maxInFlightBytes),
   );
   source.deliveryLimit = settings.sourceDeliveryLimit;
+  if (limits.budget?.limited) source.budget = limits.budget;
   const amqp = new AmqpLink(
     settings.sourceUrls,
     { side: 'source', retryForMs: settings.retryForMs, log, tls: settings.tls.source, stop: limits.stop },

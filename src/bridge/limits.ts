@@ -1,8 +1,15 @@
 import { sleep } from '../backoff.js';
 
-/** How many source messages a job may still take (migrate --max-messages); shared by its routes. */
+/**
+ * How many source messages a job may still take (migrate --max-messages); shared by its routes.
+ * A consumer reserves the deliveries the broker may still send it (its window, and one per message
+ * it settles while it consumes), so that no route is sent more than the budget: each delivery past
+ * it would be returned, and a quorum queue counts a return toward its delivery limit.
+ */
 export class MessageBudget {
   private taken = 0;
+  private reserved = 0;
+  private waiters: (() => void)[] = [];
   constructor(private readonly max: number | undefined) {}
 
   /** Takes one message from the budget; false once it is spent. */
@@ -19,6 +26,40 @@ export class MessageBudget {
 
   get exhausted(): boolean {
     return this.max !== undefined && this.taken >= this.max;
+  }
+
+  /** Whether there is a limit to reserve against. */
+  get limited(): boolean {
+    return this.max !== undefined;
+  }
+
+  /** Neither taken nor reserved by a consumer. */
+  get available(): number {
+    return Math.max(0, this.remaining - this.reserved);
+  }
+
+  /** Reserves up to n deliveries; returns how many it could. */
+  reserve(n: number): number {
+    const granted = Math.max(0, Math.min(n, this.available));
+    this.reserved += granted;
+    return granted;
+  }
+
+  /** A reserved delivery came: the taking (tryTake) follows at once. */
+  delivered(): void {
+    this.reserved = Math.max(0, this.reserved - 1);
+  }
+
+  /** A consumer ended with `n` deliveries reserved and not made: others may have them. */
+  release(n: number): void {
+    this.reserved = Math.max(0, this.reserved - n);
+    if (n <= 0) return;
+    for (const wake of this.waiters.splice(0)) wake();
+  }
+
+  /** Calls `wake` once at the next release. */
+  whenReleased(wake: () => void): void {
+    this.waiters.push(wake);
   }
 }
 

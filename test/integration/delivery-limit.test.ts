@@ -187,6 +187,85 @@ describe('a quorum source with a delivery limit loses nothing', () => {
       await proxy.stop();
     }
   }, 180_000);
+
+  // Found by a hunt: deliveries past the budget were returned, and each return past the limit of 0
+  // dropped a message (50 in, 10 forwarded, 25 left, 15 gone, report saying nothing was returned).
+  it('--max-messages 10, 50 messages, x-delivery-limit 0: 10 on the target, 40 in the source, exit 4; the next run takes the 40', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = numbered('budget', 50).ids;
+    const source = await quorumSource(0, all);
+    const target = uniqueName('dst-budget');
+    await declareQueue(targetUrl, target);
+    const first = await migrateWithReport(
+      migrateArgs(source, ['--target-queue', target], '--max-messages', '10'),
+    );
+    process.stdout.write(`report: ${JSON.stringify(first.report)}\n`);
+    expect(first.code, first.stderr).toBe(4);
+    expect(first.report).toMatchObject({ outcome: 'limit', forwarded: 10, remaining: 40, returned: 0 });
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    expect(onTarget).toHaveLength(10);
+    expect(await depthOf(sourceUrl, source)).toBe(40);
+
+    const second = await migrateWithReport(migrateArgs(source, ['--target-queue', target]));
+    expect(second.code, second.stderr).toBe(0);
+    expect(second.report).toMatchObject({ outcome: 'drained', forwarded: 40, remaining: 0 });
+    const rest = idsOf(await takeAll(targetUrl, target));
+    expect(countDelivery('budget, two runs', all, [...onTarget, ...rest])).toEqual(exactly(50));
+  }, 120_000);
+
+  it('--max-messages 15 shared by two queues migrated at once, x-delivery-limit 0: 15 on the target, 85 in the sources', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const a = numbered('shared-a', 50).ids;
+    const b = numbered('shared-b', 50).ids;
+    const sourceA = await quorumSource(0, a);
+    const sourceB = await quorumSource(0, b);
+    const target = uniqueName('dst-shared');
+    const targetB = uniqueName('dst-shared');
+    await declareQueue(targetUrl, target);
+    await declareQueue(targetUrl, targetB);
+    const run = await migrateWithReport(
+      migrateArgs(
+        sourceA,
+        ['--map', `${sourceA}=${target}`, '--map', `${sourceB}=${targetB}`],
+        '--source-queue',
+        sourceB,
+        '--parallel',
+        '2',
+        '--max-messages',
+        '15',
+      ),
+    );
+    expect(run.code, run.stderr).toBe(4);
+    const onTarget = [
+      ...idsOf(await takeAll(targetUrl, target)),
+      ...idsOf(await takeAll(targetUrl, targetB)),
+    ];
+    const inSources = [
+      ...idsOf(await takeAll(sourceUrl, sourceA)),
+      ...idsOf(await takeAll(sourceUrl, sourceB)),
+    ];
+    expect(onTarget).toHaveLength(15);
+    expect(inSources).toHaveLength(85);
+    expect(
+      countDelivery('shared budget: target + sources', [...a, ...b], [...onTarget, ...inSources]),
+    ).toEqual(exactly(100));
+  }, 120_000);
+
+  // Found with the hunt's case: the consumer starts with a window of one and is replaced by larger
+  // ones; RabbitMQ 3.10 returns what was on its way to a cancelled consumer, counting a delivery
+  // each, and at a limit of 0 dropped them (3,000 in, 2,800 forwarded, 200 gone, exit 0).
+  it('3,000 small messages, x-delivery-limit 0, the consumer window growing from one: all 3,000 forwarded once, drained, exit 0', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = numbered('window', 3000).ids;
+    const source = await quorumSource(0, all);
+    const target = uniqueName('dst-window');
+    await declareQueue(targetUrl, target);
+    const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target]));
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ outcome: 'drained', forwarded: 3000, remaining: 0 });
+    expect((await delivered('window growth', targetUrl, target, all)).count).toEqual(exactly(3000));
+    expect(await depthOf(sourceUrl, source)).toBe(0);
+  }, 120_000);
 });
 
 describe('a stream as the source is refused at start (until stream sources are supported)', () => {
