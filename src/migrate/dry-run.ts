@@ -1,7 +1,7 @@
 import type { ConsumeMessage } from 'amqplib';
 import { connectAmqp } from '../amqp/connect.js';
 import { routingBytesOf } from '../amqp/internals.js';
-import { checkQueueExists } from '../amqp/source.js';
+import { checkQueueExists, sourceQueueTypeOf } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
@@ -16,6 +16,8 @@ import { buildQueueReport, type QueueReport } from './report.js';
  * Reads each message of a source queue (up to `limit`), decides forward or duplicate against the
  * cache without claiming anything, and gives every message back by closing the channel: nothing is
  * published, acked or claimed. Holds the messages it read until then, so `limit` bounds memory.
+ * A queue that counts each return toward a delivery limit (quorum) is not read: the dry run would
+ * bring every message one delivery nearer to being dropped, and drop it at a limit of 0.
  */
 export async function dryRunQueue(
   settings: BridgeSettings,
@@ -37,6 +39,20 @@ export async function dryRunQueue(
     channel.on('error', () => {});
     await checkQueueExists(channel, settings.sourceQueue, where, '--source-queue');
     const { messageCount } = await channel.checkQueue(settings.sourceQueue);
+    const type = await sourceQueueTypeOf(connection, settings.sourceQueue, where, log);
+    if (type !== 'classic') {
+      await channel.close();
+      return buildQueueReport({
+        outcome: 'dry-run',
+        settings,
+        counters,
+        remaining: messageCount,
+        deleted: false,
+        problem: `${settings.sourceQueue}: not read by the dry run: it is ${type === 'unknown' ? 'a queue of a type the bridge cannot tell, which may count' : `a ${type} queue, which counts`} each message given back toward its delivery limit (x-delivery-limit 0 drops it); its ${messageCount} message(s) are left as they were, and what would be forwarded is not known`,
+        elapsedMs: Date.now() - started,
+        active: { from: started, to: Date.now() },
+      });
+    }
     const wanted = Math.min(messageCount, limit ?? messageCount);
     const messages: ConsumeMessage[] = [];
     if (wanted > 0) {

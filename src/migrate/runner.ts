@@ -122,7 +122,7 @@ export async function runMigration(
           exitCode: ExitCode.ok,
         }),
         exitCode: ExitCode.ok,
-        problems: [],
+        problems: queues.flatMap((queue) => (queue.problem === null ? [] : [queue.problem])),
       };
     }
 

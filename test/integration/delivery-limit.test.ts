@@ -251,6 +251,31 @@ describe('a quorum source with a delivery limit loses nothing', () => {
     ).toEqual(exactly(100));
   }, 120_000);
 
+  // Found by a hunt: the dry run gives back what it read by closing its channel, and at a limit of 0
+  // one dry run emptied the queue while saying nothing moved.
+  it('--dry-run on a quorum queue, x-delivery-limit 0, twice: reads nothing, says so, exit 0, all 20 still there', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = numbered('dry', 20).ids;
+    const source = await quorumSource(0, all);
+    const target = uniqueName('dst-dry');
+    await declareQueue(targetUrl, target);
+    for (const round of [1, 2]) {
+      const run = await migrateWithReport(migrateArgs(source, ['--target-queue', target], '--dry-run'));
+      expect(run.code, run.stderr).toBe(0);
+      expect(run.stderr.trim().split('\n').at(-1)).toBe(
+        `dedup-bridge: ${source}: not read by the dry run: it is a quorum queue, which counts each message given back toward its delivery limit (x-delivery-limit 0 drops it); its 20 message(s) are left as they were, and what would be forwarded is not known`,
+      );
+      expect(run.report, `round ${round}`).toMatchObject({
+        dryRun: true,
+        consumed: 0,
+        forwarded: 0,
+        remaining: 20,
+      });
+    }
+    expect((await delivered('dry run', sourceUrl, source, all)).count).toEqual(exactly(20));
+    expect(await depthOf(targetUrl, target)).toBe(0);
+  }, 120_000);
+
   // Found with the hunt's case: the consumer starts with a window of one and is replaced by larger
   // ones; RabbitMQ 3.10 returns what was on its way to a cancelled consumer, counting a delivery
   // each, and at a limit of 0 dropped them (3,000 in, 2,800 forwarded, 200 gone, exit 0).
