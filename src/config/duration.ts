@@ -31,6 +31,20 @@ export function parseDuration(text: string, what: string): number {
   return Math.round(total);
 }
 
+// Node's timers hold at most 2^31-1 ms (24.8 days); a longer one fires after 1 ms, with a warning.
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/** A duration the bridge waits for with a timer (a lease, a timeout, a limit): at most 24 days. */
+export function parseTimerDuration(text: string, what: string, beyond = ''): number {
+  const ms = parseDuration(text, what);
+  if (ms > MAX_TIMER_MS) {
+    throw new ConfigError(
+      `${what}: "${text}" is longer than a timer can wait (24.8 days); give at most 24d${beyond}`,
+    );
+  }
+  return ms;
+}
+
 export function formatDuration(ms: number): string {
   if (ms === 0) return '0s';
   if (ms % 86_400_000 === 0) return `${ms / 86_400_000}d`;
@@ -50,7 +64,7 @@ export const FOREVER = 'forever';
  */
 export function parseRetryFor(text: string, what: string): number {
   if (text.trim().toLowerCase() === FOREVER) return 0;
-  const ms = parseDuration(text, what);
+  const ms = parseTimerDuration(text, what, `, or ${FOREVER}`);
   if (ms === 0) {
     throw new ConfigError(
       `${what}: 0 is not accepted (it would not mean "no retry"); give how long to keep trying a server, e.g. 1s or 60s, or ${FOREVER}`,

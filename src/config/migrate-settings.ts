@@ -2,7 +2,7 @@ import { createHash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
-import { parseDuration } from './duration.js';
+import { parseTimerDuration } from './duration.js';
 import { urlOrReference } from './secret-source.js';
 import {
   type BridgeSettings,
@@ -270,14 +270,14 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
   return {
     routes,
     jobName: raw.jobName ?? defaultJobName(first, routes),
-    jobLockLeaseMs: parseDuration(raw.jobLockLease ?? MIGRATE_DEFAULTS.jobLockLease, '--job-lock-lease'),
+    jobLockLeaseMs: parseTimerDuration(raw.jobLockLease ?? MIGRATE_DEFAULTS.jobLockLease, '--job-lock-lease'),
     parallel:
       raw.parallel === undefined ? MIGRATE_DEFAULTS.parallel : wholeNumber(raw.parallel, '--parallel', 1),
-    idleTimeoutMs: parseDuration(raw.idleTimeout ?? DEFAULTS.idleTimeout, '--idle-timeout'),
+    idleTimeoutMs: parseTimerDuration(raw.idleTimeout ?? DEFAULTS.idleTimeout, '--idle-timeout'),
     maxMessages:
       raw.maxMessages === undefined ? undefined : wholeNumber(raw.maxMessages, '--max-messages', 1),
     maxDurationMs:
-      raw.maxDuration === undefined ? undefined : parseDuration(raw.maxDuration, '--max-duration'),
+      raw.maxDuration === undefined ? undefined : parseTimerDuration(raw.maxDuration, '--max-duration'),
     maxRate: raw.maxRate === undefined ? undefined : wholeNumber(raw.maxRate, '--max-rate', 1),
     dryRun: raw.dryRun === true,
     deleteSourceWhenEmpty: raw.deleteSourceWhenEmpty === true,
@@ -286,7 +286,7 @@ export function resolveMigrateSettings(raw: MigrateRawOptions): MigrateSettings 
     sourceManagementUrl: raw.sourceManagement,
     sourceManagementCa: checkManagementCa(raw.sourceManagement, raw.sourceManagementCa),
     reportPath: raw.report,
-    progressIntervalMs: parseDuration(
+    progressIntervalMs: parseTimerDuration(
       raw.progressInterval ?? MIGRATE_DEFAULTS.progressInterval,
       '--progress-interval',
     ),

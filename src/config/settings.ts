@@ -1,7 +1,7 @@
 import { z } from 'zod';
 import { ConfigError } from '../errors.js';
 import { LOG_LEVELS, type LogLevel } from '../log.js';
-import { FOREVER, parseDuration, parseRetryFor } from './duration.js';
+import { FOREVER, parseDuration, parseRetryFor, parseTimerDuration } from './duration.js';
 import { DEFAULT_ID_FROM, type IdStrategy, parseIdFrom } from './id-from.js';
 import { hasHiddenPassword, redactUrl } from './redact.js';
 import { parseRedisUrl } from './redis-url.js';
@@ -623,7 +623,7 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
       `--scope: the target name "${scope}" has braces or spaces; give a --scope without them`,
     );
   }
-  const leaseMs = parseDuration(raw.lease ?? DEFAULTS.lease, '--lease');
+  const leaseMs = parseTimerDuration(raw.lease ?? DEFAULTS.lease, '--lease');
   if (leaseMs < 1000) throw new ConfigError('--lease: must be at least 1s');
   const dedupWindowMs = parseDuration(raw.dedupWindow ?? DEFAULTS.dedupWindow, '--dedup-window');
   if (dedupWindowMs <= leaseMs) throw new ConfigError('--dedup-window: must be longer than --lease');
@@ -688,7 +688,10 @@ export function resolveBridgeSettings(given: RawOptions, mode: 'run' | 'migrate'
       raw.retryFor ?? (mode === 'run' ? DEFAULTS.runRetryFor : DEFAULTS.migrateRetryFor),
       '--retry-for',
     ),
-    shutdownTimeoutMs: parseDuration(raw.shutdownTimeout ?? DEFAULTS.shutdownTimeout, '--shutdown-timeout'),
+    shutdownTimeoutMs: parseTimerDuration(
+      raw.shutdownTimeout ?? DEFAULTS.shutdownTimeout,
+      '--shutdown-timeout',
+    ),
     logLevel: options.logLevel,
     tls,
   };

@@ -228,6 +228,49 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expectOneLine(await runCli(['bogus-command']), 2, /unknown command 'bogus-command'/);
   });
 
+  // Found by a hunt: Node's timers fire after 1 ms past 2^31-1 ms, so --retry-for 25d gave up on a
+  // running Redis at once, --max-duration 25d stopped at once (exit 4), with a multi-line warning.
+  it.each([
+    ['--retry-for', '25d', ', or forever'],
+    ['--max-duration', '25d', ''],
+    ['--shutdown-timeout', '30d', ''],
+    ['--lease', '40d', ''],
+    ['--idle-timeout', '600h', ''],
+  ])('%s %s, longer than a timer can wait: one line, exit 2', async (option, value, beyond) => {
+    const result = await runCli(args({ [option]: value }));
+    expectOneLine(
+      result,
+      2,
+      new RegExp(
+        `^dedup-bridge: ${option}: "${value}" is longer than a timer can wait \\(24\\.8 days\\); give at most 24d${beyond}$`,
+      ),
+    );
+    expect(result.stderr).not.toMatch(/TimeoutOverflowWarning/);
+  });
+
+  it('a --dedup-window of 90 days is not a timer: accepted', async () => {
+    const { source, target } = await queuePair();
+    const { sourceUrl, targetUrl, redisUrl } = servers();
+    const result = await runCli([
+      'migrate',
+      '--source',
+      sourceUrl,
+      '--source-queue',
+      source,
+      '--target',
+      targetUrl,
+      '--target-queue',
+      target,
+      '--redis',
+      redisUrl,
+      '--idle-timeout',
+      '200ms',
+      '--dedup-window',
+      '90d',
+    ]);
+    expect(result.code, result.stderr).toBe(0);
+  });
+
   it('the environment variables configure a run, and nothing is left behind on an empty queue', async () => {
     const { sourceUrl, targetUrl, redisUrl } = servers();
     const { source, target } = await queuePair();
