@@ -235,8 +235,38 @@ function urlWith(protocols: string[], example: string) {
         code: 'custom',
         message: `"${redactUrl(value)}" has a % that is not percent-encoding in its user, password or path; write a literal % as %25`,
       });
+    } else {
+      const problem = amqpQueryProblem(parsed.searchParams);
+      if (problem !== undefined)
+        ctx.addIssue({ code: 'custom', message: `"${redactUrl(value)}": ${problem}` });
     }
   });
+}
+
+// The parameters amqplib reads from a URL's query, and their ranges (AMQP's tune fields; a frame
+// below 4096 bytes is refused by the broker). amqplib sends a malformed one as it is, and the
+// connection then fails as if the broker were down.
+const AMQP_QUERY: Record<string, [number, number] | undefined> = {
+  heartbeat: [0, 65535],
+  channelMax: [0, 65535],
+  frameMax: [4096, 4294967295],
+  maxFrameSize: [4096, 4294967295],
+  locale: undefined,
+};
+
+function amqpQueryProblem(query: URLSearchParams): string | undefined {
+  for (const [name, value] of query) {
+    if (!Object.hasOwn(AMQP_QUERY, name)) {
+      return `unknown URL parameter ${name}; an amqp URL takes ${Object.keys(AMQP_QUERY).join(', ')}`;
+    }
+    const range = AMQP_QUERY[name];
+    if (range === undefined) continue;
+    const [least, most] = range;
+    if (!/^\d+$/.test(value) || Number(value) < least || Number(value) > most) {
+      return `URL parameter ${name} must be a whole number from ${least} to ${most}`;
+    }
+  }
+  return undefined;
 }
 
 /** Whether each part is valid percent-encoding (decodeURIComponent throws on "%zz"). */

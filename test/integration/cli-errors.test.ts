@@ -248,6 +248,51 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
     expect(result.stderr).not.toMatch(/TimeoutOverflowWarning/);
   });
 
+  // Found by a hunt: amqplib sent these as they were, and the connection failed as if the broker
+  // were down (exit 1 after the whole --retry-for, "unreachable").
+  it.each([
+    ['heartbeat=abc', 'URL parameter heartbeat must be a whole number from 0 to 65535'],
+    ['frameMax=100', 'URL parameter frameMax must be a whole number from 4096 to 4294967295'],
+    ['channelMax=70000', 'URL parameter channelMax must be a whole number from 0 to 65535'],
+    [
+      'connection_attempts=3',
+      'unknown URL parameter connection_attempts; an amqp URL takes heartbeat, channelMax, frameMax, maxFrameSize, locale',
+    ],
+  ])('a source URL with ?%s: one line naming the parameter, exit 2, no retry', async (query, problem) => {
+    const { sourceUrl } = servers();
+    const url = new URL(sourceUrl);
+    url.password = SECRET;
+    const result = await runCli(
+      args({ '--source': `${url.href.replace(/\/?$/, '/')}?${query}`, '--retry-for': '60s' }),
+    );
+    expectOneLine(
+      result,
+      2,
+      new RegExp(`^dedup-bridge: --source \\(or DEDUP_BRIDGE_SOURCE\\): ".*": ${problem}$`),
+    );
+  });
+
+  it('a source URL with ?heartbeat=5 and ?frameMax=4096 is taken', async () => {
+    const { source, target } = await queuePair();
+    const { sourceUrl, targetUrl, redisUrl } = servers();
+    const result = await runCli([
+      'migrate',
+      '--source',
+      `${sourceUrl.replace(/\/?$/, '/')}?heartbeat=5&frameMax=4096`,
+      '--source-queue',
+      source,
+      '--target',
+      targetUrl,
+      '--target-queue',
+      target,
+      '--redis',
+      redisUrl,
+      '--idle-timeout',
+      '200ms',
+    ]);
+    expect(result.code, result.stderr).toBe(0);
+  });
+
   it('a --dedup-window of 90 days is not a timer: accepted', async () => {
     const { source, target } = await queuePair();
     const { sourceUrl, targetUrl, redisUrl } = servers();
