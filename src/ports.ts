@@ -33,6 +33,8 @@ export interface Source {
   consume(onDelivery: (delivery: Delivery) => void): Promise<void>;
   /** Stops delivering (what is held stays held until settled). */
   stopConsuming(): Promise<void>;
+  /** Before a stop: lets what is already on its way arrive, where a return would cost (quorum). */
+  quiesce?(): Promise<void>;
   /** Its content header as the source sent it; throws ContentHeaderError when it cannot be read. */
   headerOf(delivery: Delivery): ContentHeader;
   /** The exchange and routing key it was published with, as the bytes the source broker sent. */

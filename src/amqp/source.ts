@@ -144,12 +144,18 @@ export class SourceQueue implements Source {
    * its own deliveries lets it send more (those of a cancelled consumer free nothing).
    */
   private creditFrom: number | undefined;
+  /** True while held settlements wait for the budget to have room (see settleCredit). */
+  private settleWaiting = false;
   /** True while a cancel waits for the broker to have nothing on its way to the consumer. */
   private holdSettles = false;
   /** Called when the live consumer's credit reaches 0 (see creditSpent). */
   private whenSpent: (() => void) | undefined;
   /** A restart that found deliveries still coming is not tried again before this time. */
   private restartAfter = 0;
+  /** The cancel of a consumer being replaced, until its cancel-ok (a stop waits for it). */
+  private cancelling: Promise<void> | undefined;
+  /** A consumer being started, until it is up or given up (a stop waits for it). */
+  private starting: Promise<void> | undefined;
   /** Returns held while the consumer's credit is spent: a return opens a window slot, as an ack. */
   private heldNacks: { channel: Channel; message: ConsumeMessage; requeue: boolean }[] = [];
   /** The source broker's major version (RabbitMQ 4 gives every quorum queue a delivery limit). */
@@ -258,6 +264,20 @@ export class SourceQueue implements Source {
   }
 
   private async startConsumer(channel: Channel, again: boolean): Promise<void> {
+    const started = this.startConsumerOn(channel, again);
+    const settled = started.then(
+      () => {},
+      () => {},
+    );
+    this.starting = settled;
+    try {
+      await started;
+    } finally {
+      if (this.starting === settled) this.starting = undefined;
+    }
+  }
+
+  private async startConsumerOn(channel: Channel, again: boolean): Promise<void> {
     if (again) await this.beforeConsume();
     if (this.channel !== channel || !this.onMessage) return;
     const handler = this.onMessage;
@@ -414,7 +434,7 @@ export class SourceQueue implements Source {
       // RabbitMQ (3.10's quorum queues) returns what was on its way to a consumer when it is
       // cancelled, and counts each return toward the delivery limit: cancel it only once the broker
       // has nothing left to send it, with its settlements held meanwhile.
-      if (this.creditOn === channel && !(await this.creditSpent())) return;
+      if (this.creditOn === channel && this.countsDeliveries && !(await this.creditSpent(false))) return;
       if (this.consumerTag !== tag || this.channel !== channel) {
         // Stopped or reset meanwhile (their cancel released the credit); else nothing is held.
         if (this.creditOn === channel) {
@@ -428,7 +448,13 @@ export class SourceQueue implements Source {
       this.recreating = !pause;
       this.consumerTag = undefined;
       // What was delivered before the cancel stays ours to ack; nothing comes after its cancel-ok.
-      await channel.cancel(tag).catch(() => {});
+      const cancelled = channel.cancel(tag).then(
+        () => {},
+        () => {},
+      );
+      this.cancelling = cancelled;
+      await cancelled;
+      if (this.cancelling === cancelled) this.cancelling = undefined;
       this.releaseCredit();
     }
     try {
@@ -457,8 +483,22 @@ export class SourceQueue implements Source {
     }
   }
 
+  /**
+   * Before a stop, on a queue that counts deliveries: lets what the broker may still send the
+   * consumer arrive (and be forwarded as any other), its settlements held so that no more is sent,
+   * for at most SPEND_WAIT_MS. Its cancel then finds nothing on its way, which would come back
+   * counted.
+   */
+  async quiesce(): Promise<void> {
+    if (this.creditOn !== this.channel || !this.countsDeliveries || this.consumerTag === undefined) return;
+    await this.creditSpent(true);
+  }
+
   async stopConsuming(): Promise<void> {
     this.onMessage = undefined;
+    // A consumer being started or replaced: its credit goes back only after its own cancel-ok.
+    const pending = [this.starting, this.cancelling].filter((each) => each !== undefined);
+    if (pending.length > 0) await Promise.race([Promise.all(pending), sleep(3000)]);
     const tag = this.consumerTag;
     this.consumerTag = undefined;
     // A broker that does not answer must not hold up a stop: wait at most 3 s for the cancel.
@@ -782,6 +822,14 @@ export class SourceQueue implements Source {
     if (this.holdSettles) return 0;
     const granted = this.budget ? this.budget.reserve(n) : n;
     this.credit += granted;
+    if (granted < n && this.budget && !this.settleWaiting) {
+      // Another route holds what is left: what is held here goes once it lets some go.
+      this.settleWaiting = true;
+      this.budget.whenReleased(() => {
+        this.settleWaiting = false;
+        if (this.creditOn === channel) this.settleHeld(channel);
+      });
+    }
     return granted;
   }
 
@@ -790,8 +838,8 @@ export class SourceQueue implements Source {
    * credit is spent): true then, and they stay held until its cancel-ok (see releaseCredit). False
    * when deliveries stop first (the queue is empty): they go, and the restart waits a while.
    */
-  private async creditSpent(): Promise<boolean> {
-    if (this.credit > 0 && Date.now() < this.restartAfter) return false;
+  private async creditSpent(stopping: boolean): Promise<boolean> {
+    if (this.credit > 0 && !stopping && Date.now() < this.restartAfter) return false;
     this.holdSettles = true;
     if (this.credit === 0) return true;
     const spent = await new Promise<boolean>((resolve) => {
@@ -806,10 +854,14 @@ export class SourceQueue implements Source {
       };
     });
     if (!spent) {
-      this.restartAfter = Date.now() + RESTART_RETRY_MS;
       this.holdSettles = false;
       const channel = this.creditOn;
       if (channel) this.settleHeld(channel);
+      if (!stopping) {
+        this.restartAfter = Date.now() + RESTART_RETRY_MS;
+        // Then the change is looked at again, whatever comes meanwhile.
+        setTimeout(() => this.flow(), RESTART_RETRY_MS).unref();
+      }
     }
     return spent;
   }

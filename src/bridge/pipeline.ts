@@ -202,6 +202,8 @@ export class Pipeline {
    * Returns how many were still unfinished; their claims are left to expire as in-doubt.
    */
   async stop(timeoutMs: number): Promise<number> {
+    // What is on its way is taken and forwarded, not returned (see Source.quiesce).
+    if (!this.stopping) await this.source.quiesce?.();
     this.stopping = true;
     await this.source.stopConsuming();
     for (const [timer, fire] of this.timers) {

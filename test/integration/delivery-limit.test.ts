@@ -251,6 +251,96 @@ describe('a quorum source with a delivery limit loses nothing', () => {
     ).toEqual(exactly(100));
   }, 120_000);
 
+  // Found by the review of the budget: a route on an empty queue held the rest of the budget, and
+  // the other route held its acks for it until the job was killed.
+  it('--max-messages 20 shared by an empty queue and one of 100, at once: exit 4 with 20 on the target, 80 in the source', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const b = numbered('beside-empty', 100).ids;
+    const empty = await quorumSource(0, []);
+    const full = await quorumSource(0, b);
+    const [targetA, targetB] = [uniqueName('dst-empty'), uniqueName('dst-full')];
+    await declareQueue(targetUrl, targetA);
+    await declareQueue(targetUrl, targetB);
+    const run = await migrateWithReport(
+      migrateArgs(
+        empty,
+        ['--map', `${empty}=${targetA}`, '--map', `${full}=${targetB}`],
+        '--source-queue',
+        full,
+        '--parallel',
+        '2',
+        '--max-messages',
+        '20',
+      ),
+    );
+    expect(run.code, run.stderr).toBe(4);
+    const onTarget = [
+      ...idsOf(await takeAll(targetUrl, targetA)),
+      ...idsOf(await takeAll(targetUrl, targetB)),
+    ];
+    const inSources = [...idsOf(await takeAll(sourceUrl, empty)), ...idsOf(await takeAll(sourceUrl, full))];
+    expect(onTarget).toHaveLength(20);
+    expect(countDelivery('beside an empty queue: target + sources', b, [...onTarget, ...inSources])).toEqual(
+      exactly(100),
+    );
+  }, 60_000);
+
+  // Found by the same review: a run of 20,000 lost 52 (115 before the budget change) to a SIGTERM,
+  // what was on its way to the consumer when it was cancelled coming back counted.
+  it('run, SIGTERM mid-transfer, x-delivery-limit 0: every message on the target or in the source, once', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const all = numbered('sigterm', 20_000).ids;
+    const source = await quorumSource(0, all);
+    const target = uniqueName('dst-sigterm');
+    await declareQueue(targetUrl, target);
+    const bridge = startCli(runArgs(source, ['--target-queue', target]));
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 2_000, 60_000)).toBe(true);
+    bridge.signal('SIGTERM');
+    const atStop = await depthOf(targetUrl, target);
+    const result = await bridge.done;
+    process.stdout.write(`SIGTERM with ${atStop} of ${all.length} on the target\n`);
+    expect(result.code, result.stderr).toBe(0);
+    // The stop struck mid-transfer.
+    expect(atStop).toBeLessThan(all.length);
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    const inSource = idsOf(await takeAll(sourceUrl, source));
+    expect(inSource.length).toBeGreaterThan(0);
+    expect(countDelivery('SIGTERM: target + source', all, [...onTarget, ...inSource])).toEqual(
+      exactly(all.length),
+    );
+  }, 180_000);
+
+  // The bodies that do not fit the bound are returned once the consumer is cancelled; with a budget
+  // the pause waited for deliveries that never came, and the route said drained with 5 unread.
+  it('a classic queue, --max-in-flight-bytes 10000 and --max-messages past its depth: all 55 forwarded, drained', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    const source = uniqueName('classic-bound');
+    const target = uniqueName('dst-bound');
+    await declareQueue(sourceUrl, source);
+    await declareQueue(targetUrl, target);
+    const small = numbered('small', 50).ids;
+    const big = numbered('big', 5).ids;
+    await publishAll(sourceUrl, source, [
+      ...small.map((id) => ({ body: 'x'.repeat(100), options: { headers: { _HQ_DUPL_ID: id } } })),
+      ...big.map((id) => ({ body: 'y'.repeat(8000), options: { headers: { _HQ_DUPL_ID: id } } })),
+    ]);
+    const run = await migrateWithReport(
+      migrateArgs(
+        source,
+        ['--target-queue', target],
+        '--max-in-flight-bytes',
+        '10000',
+        '--max-messages',
+        '1000',
+      ),
+    );
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.report).toMatchObject({ outcome: 'drained', forwarded: 55, remaining: 0 });
+    expect((await delivered('bound and budget', targetUrl, target, [...small, ...big])).count).toEqual(
+      exactly(55),
+    );
+  }, 60_000);
+
   // Found by a hunt: the dry run gives back what it read by closing its channel, and at a limit of 0
   // one dry run emptied the queue while saying nothing moved.
   it('--dry-run on a quorum queue, x-delivery-limit 0, twice: reads nothing, says so, exit 0, all 20 still there', async () => {
