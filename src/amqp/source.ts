@@ -149,7 +149,9 @@ export class SourceQueue implements Source {
   /** True while a cancel waits for the broker to have nothing on its way to the consumer. */
   private holdSettles = false;
   /** Called when the live consumer's credit reaches 0 (see creditSpent). */
-  private whenSpent: (() => void) | undefined;
+  private readonly spentWaiters = new Set<() => void>();
+  /** Set from a stop's quiesce on: the consumer is no longer replaced, its settlements stay held. */
+  private quiescing = false;
   /** A restart that found deliveries still coming is not tried again before this time. */
   private restartAfter = 0;
   /** The cancel of a consumer being replaced, until its cancel-ok (a stop waits for it). */
@@ -346,7 +348,7 @@ export class SourceQueue implements Source {
       if (this.credit > 0) {
         this.credit--;
         this.budget?.delivered();
-        if (this.credit === 0) this.whenSpent?.();
+        if (this.credit === 0) this.wakeSpent();
       }
     }
     // The bound returns a delivery unread only to a classic queue, and at most once (a redelivered
@@ -409,7 +411,7 @@ export class SourceQueue implements Source {
 
   private async changeFlow(): Promise<void> {
     const channel = this.channel;
-    if (!channel || !this.onMessage) return;
+    if (!channel || !this.onMessage || this.quiescing) return;
     const tag = this.consumerTag;
     const bytes = this.bytes;
     if (tag !== undefined) {
@@ -435,6 +437,8 @@ export class SourceQueue implements Source {
       // cancelled, and counts each return toward the delivery limit: cancel it only once the broker
       // has nothing left to send it, with its settlements held meanwhile.
       if (this.creditOn === channel && this.countsDeliveries && !(await this.creditSpent(false))) return;
+      // A stop began meanwhile: it cancels this consumer, with what is held still held.
+      if (this.quiescing) return;
       if (this.consumerTag !== tag || this.channel !== channel) {
         // Stopped or reset meanwhile (their cancel released the credit); else nothing is held.
         if (this.creditOn === channel) {
@@ -490,7 +494,12 @@ export class SourceQueue implements Source {
    * counted.
    */
   async quiesce(): Promise<void> {
-    if (this.creditOn !== this.channel || !this.countsDeliveries || this.consumerTag === undefined) return;
+    if (!this.countsDeliveries) return;
+    this.quiescing = true;
+    // A consumer being started, replaced or changed: once it is up (or gone), it is the one.
+    const pending = [this.starting, this.cancelling, this.flowing].filter((each) => each !== undefined);
+    if (pending.length > 0) await Promise.race([Promise.all(pending), sleep(3000)]);
+    if (this.creditOn !== this.channel || this.consumerTag === undefined) return;
     await this.creditSpent(true);
   }
 
@@ -504,6 +513,7 @@ export class SourceQueue implements Source {
     // A broker that does not answer must not hold up a stop: wait at most 3 s for the cancel.
     if (tag && this.channel) await Promise.race([this.channel.cancel(tag).catch(() => {}), sleep(3000)]);
     this.releaseCredit();
+    this.quiescing = false;
     // What did not fit goes back now, not when the connection closes.
     this.returnUnread();
   }
@@ -843,27 +853,32 @@ export class SourceQueue implements Source {
     this.holdSettles = true;
     if (this.credit === 0) return true;
     const spent = await new Promise<boolean>((resolve) => {
-      const timer = setTimeout(() => {
-        this.whenSpent = undefined;
-        resolve(false);
-      }, SPEND_WAIT_MS);
-      this.whenSpent = () => {
+      const wake = () => {
         clearTimeout(timer);
-        this.whenSpent = undefined;
+        this.spentWaiters.delete(wake);
         resolve(true);
       };
+      const timer = setTimeout(() => {
+        this.spentWaiters.delete(wake);
+        resolve(false);
+      }, SPEND_WAIT_MS);
+      this.spentWaiters.add(wake);
     });
-    if (!spent) {
+    // A stop keeps them held until the cancel-ok: sent now, they would let the broker send more,
+    // which the cancel would return.
+    if (!spent && !stopping && !this.quiescing) {
       this.holdSettles = false;
       const channel = this.creditOn;
       if (channel) this.settleHeld(channel);
-      if (!stopping) {
-        this.restartAfter = Date.now() + RESTART_RETRY_MS;
-        // Then the change is looked at again, whatever comes meanwhile.
-        setTimeout(() => this.flow(), RESTART_RETRY_MS).unref();
-      }
+      this.restartAfter = Date.now() + RESTART_RETRY_MS;
+      // Then the change is looked at again, whatever comes meanwhile.
+      setTimeout(() => this.flow(), RESTART_RETRY_MS).unref();
     }
     return spent;
+  }
+
+  private wakeSpent(): void {
+    for (const wake of [...this.spentWaiters]) wake();
   }
 
   /** Sends the settlements held on `channel` that may go now. */
@@ -890,7 +905,7 @@ export class SourceQueue implements Source {
     this.creditOn = undefined;
     this.creditFrom = undefined;
     this.holdSettles = false;
-    this.whenSpent?.();
+    this.wakeSpent();
     this.budget?.release(this.credit);
     this.credit = 0;
     this.settleHeld(channel);

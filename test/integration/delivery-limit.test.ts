@@ -310,6 +310,32 @@ describe('a quorum source with a delivery limit loses nothing', () => {
     );
   }, 180_000);
 
+  // Found by the second review: a stop while a new, larger consumer was being started skipped the
+  // wait, and that consumer's window came back counted (256, 300, 322 lost of 2,000 in 13 tries).
+  it('run, SIGTERM while the consumer window still grows (8 times, 60-160 ms after forwarding starts), x-delivery-limit 0: nothing lost', async () => {
+    const { sourceUrl, targetUrl } = servers();
+    for (let attempt = 0; attempt < 8; attempt++) {
+      const all = numbered(`early-stop-${attempt}`, 2000).ids;
+      const source = await quorumSource(0, all);
+      const target = uniqueName('dst-early-stop');
+      await declareQueue(targetUrl, target);
+      const bridge = startCli(runArgs(source, ['--target-queue', target]));
+      expect(await waitFor(() => bridge.output().includes('"msg":"forwarding"'), 30_000, 5)).toBe(true);
+      await new Promise((resolve) => setTimeout(resolve, 60 + ((attempt * 37) % 100)));
+      bridge.signal('SIGTERM');
+      const result = await bridge.done;
+      expect(result.code, result.stderr).toBe(0);
+      const onTarget = idsOf(await takeAll(targetUrl, target));
+      const inSource = idsOf(await takeAll(sourceUrl, source));
+      process.stdout.write(`early stop ${attempt + 1}: ${onTarget.length} on the target at the stop\n`);
+      // The stop struck mid-transfer.
+      expect(inSource.length).toBeGreaterThan(0);
+      expect(countDelivery(`early stop ${attempt + 1}`, all, [...onTarget, ...inSource])).toEqual(
+        exactly(2000),
+      );
+    }
+  }, 240_000);
+
   // The bodies that do not fit the bound are returned once the consumer is cancelled; with a budget
   // the pause waited for deliveries that never came, and the route said drained with 5 unread.
   it('a classic queue, --max-in-flight-bytes 10000 and --max-messages past its depth: all 55 forwarded, drained', async () => {
