@@ -3,7 +3,17 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { freePort } from '../harness/servers.js';
-import { type CliResult, depthOf, publishAll, queuePair, runCli, servers, uniqueName } from '../helpers.js';
+import {
+  type CliResult,
+  depthOf,
+  migrateArgs,
+  publishAll,
+  queuePair,
+  runCli,
+  servers,
+  uniqueName,
+  withOption,
+} from '../helpers.js';
 
 const SECRET = 's3cr3t-Pa55';
 
@@ -274,45 +284,20 @@ describe('bad input: one clear line, a documented exit code, no secrets', () => 
 
   it('a source URL with ?heartbeat=5 and ?frameMax=4096 is taken', async () => {
     const { source, target } = await queuePair();
-    const { sourceUrl, targetUrl, redisUrl } = servers();
-    const result = await runCli([
-      'migrate',
-      '--source',
-      `${sourceUrl.replace(/\/?$/, '/')}?heartbeat=5&frameMax=4096`,
-      '--source-queue',
-      source,
-      '--target',
-      targetUrl,
-      '--target-queue',
-      target,
-      '--redis',
-      redisUrl,
-      '--idle-timeout',
-      '200ms',
-    ]);
+    const { sourceUrl } = servers();
+    const result = await runCli(
+      withOption(
+        migrateArgs(source, ['--target-queue', target]),
+        '--source',
+        `${sourceUrl.replace(/\/?$/, '/')}?heartbeat=5&frameMax=4096`,
+      ),
+    );
     expect(result.code, result.stderr).toBe(0);
   });
 
   it('a --dedup-window of 90 days is not a timer: accepted', async () => {
     const { source, target } = await queuePair();
-    const { sourceUrl, targetUrl, redisUrl } = servers();
-    const result = await runCli([
-      'migrate',
-      '--source',
-      sourceUrl,
-      '--source-queue',
-      source,
-      '--target',
-      targetUrl,
-      '--target-queue',
-      target,
-      '--redis',
-      redisUrl,
-      '--idle-timeout',
-      '200ms',
-      '--dedup-window',
-      '90d',
-    ]);
+    const result = await runCli(migrateArgs(source, ['--target-queue', target], '--dedup-window', '90d'));
     expect(result.code, result.stderr).toBe(0);
   });
 
