@@ -76,6 +76,14 @@ type SourceQueueType = 'classic' | 'quorum' | 'stream' | 'unknown' | (string & {
 const PARK_SEQ_HEADER = 'x-dedup-park-seq';
 const PARK_HEADERS = [PARK_REASON_HEADER, PARK_SEQ_HEADER];
 
+/**
+ * Whether a queue of this type counts each message given back toward a delivery limit: anything but
+ * a classic queue (a quorum queue has one, by default on RabbitMQ 4; an unknown type may have one).
+ */
+export function countsDeliveries(type: SourceQueueType | undefined): boolean {
+  return type !== 'classic';
+}
+
 /** What a consumer reserves its deliveries against (migrate --max-messages: MessageBudget). */
 export interface DeliveryBudget {
   readonly available: number;
@@ -238,12 +246,9 @@ export class SourceQueue implements Source {
     return this.type;
   }
 
-  /**
-   * Whether the broker counts a return of a message against it: anything but a classic queue (a
-   * quorum queue has a delivery limit, by default on RabbitMQ 4; an unknown type may have one).
-   */
+  /** Whether the broker counts a return of a message against it (see countsDeliveries). */
   get countsDeliveries(): boolean {
-    return this.type !== 'classic';
+    return countsDeliveries(this.type);
   }
 
   /** Forgets the channels of a lost connection: their unacked messages go back to the queue. */

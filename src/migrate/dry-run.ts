@@ -1,7 +1,7 @@
 import type { ConsumeMessage } from 'amqplib';
 import { connectAmqp } from '../amqp/connect.js';
 import { routingBytesOf } from '../amqp/internals.js';
-import { checkQueueExists, sourceQueueTypeOf } from '../amqp/source.js';
+import { checkQueueExists, countsDeliveries, sourceQueueTypeOf } from '../amqp/source.js';
 import { newCounters } from '../bridge/counters.js';
 import { redactUrl } from '../config/redact.js';
 import type { BridgeSettings } from '../config/settings.js';
@@ -40,7 +40,7 @@ export async function dryRunQueue(
     await checkQueueExists(channel, settings.sourceQueue, where, '--source-queue');
     const { messageCount } = await channel.checkQueue(settings.sourceQueue);
     const type = await sourceQueueTypeOf(connection, settings.sourceQueue, where, log);
-    if (type !== 'classic') {
+    if (countsDeliveries(type)) {
       await channel.close();
       return buildQueueReport({
         outcome: 'dry-run',
