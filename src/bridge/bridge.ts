@@ -14,6 +14,7 @@ import { DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cach
 import { PositionStore } from '../dedup/position.js';
 import { ProducerStore } from '../dedup/producer.js';
 import {
+  closeRedis,
   connectRedis,
   type RedisClient,
   redisRefusalOf,
@@ -197,8 +198,8 @@ export async function startBridge(
     // the close, and those messages would come back as duplicates to the next run.
     await Promise.race([source.closeConsumer(), sleep(CLOSE_CONSUMER_MS)]);
     await Promise.allSettled([sourceLink.close(), target?.close()]);
-    redis?.disconnect();
-    commitRedis?.disconnect();
+    if (redis) closeRedis(redis);
+    if (commitRedis) closeRedis(commitRedis);
   };
   try {
     redis = await connectRedis(

@@ -12,7 +12,7 @@ import {
   type ToolId,
   textId,
 } from '../dedup/inspect.js';
-import { connectRedis } from '../dedup/redis.js';
+import { closeRedis, connectRedis } from '../dedup/redis.js';
 import { ConfigError, ExitCode } from '../errors.js';
 import { createLogger } from '../observe/log.js';
 import { addTlsOptions } from './options.js';
@@ -113,7 +113,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
         process.stdout.write(`${row.id}\tkey ${row.idKey}\t${row.state}${owner}${lease}${expires}\n`);
       }
     } finally {
-      redis.disconnect();
+      closeRedis(redis);
     }
     done(ExitCode.ok);
   });
@@ -128,7 +128,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
           `scope ${scope}: ${stats.committed} committed IDs, ${stats.claimed} claims, about ${Math.round(stats.approxBytes / 1024)} KiB\n`,
         );
       } finally {
-        redis.disconnect();
+        closeRedis(redis);
       }
       done(ExitCode.ok);
     },
@@ -154,7 +154,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
         const count = removed.filter(Boolean).length;
         process.stdout.write(`forgot ${count} of ${ids.length} ID(s) in scope ${scope}\n`);
       } finally {
-        redis.disconnect();
+        closeRedis(redis);
       }
       done(ExitCode.ok);
     });
@@ -190,7 +190,7 @@ export function addCacheCommands(program: Command, done: (code: number) => void)
           `reset scope ${scope}: deleted ${result.keys} key(s) (it kept IDs in slices of ${humanDuration(result.sliceMs)})${forgotten}; the next bridge or job on it lays it out for its own --dedup-window\n`,
         );
       } finally {
-        redis.disconnect();
+        closeRedis(redis);
       }
       done(ExitCode.ok);
     });

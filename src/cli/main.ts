@@ -15,7 +15,7 @@ import {
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import { FILE_VARIABLES, readSecretFile, withoutValue } from '../config/secret-source.js';
 import { type BridgeSettings, type RawOptions, resolveBridgeSettings } from '../config/settings.js';
-import { connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
+import { closeRedis, connectRedis, redisSafetyWarnings } from '../dedup/redis.js';
 import { BridgeError, ConfigError, ExitCode, FatalConnectError, StopRequested } from '../errors.js';
 import type { Logger } from '../log.js';
 import { formatJobReport } from '../migrate/report.js';
@@ -358,7 +358,7 @@ async function checkRedis(
       `${describeRedis(parseRedisUrl(settings.redisUrl))}: the user may not run INFO, which the start-up checks need; grant it +info (see docs/security.md, Least privilege)`,
     );
   } finally {
-    redis.disconnect();
+    closeRedis(redis);
   }
 }
 

@@ -145,6 +145,15 @@ export async function untilRedisAnswers<T>(
 
 const retryStrategy = (attempt: number) => backoffDelay(attempt, 100, 5000);
 
+/** Clients closed by closeRedis: any other end of a client from connectRedis is reconnected. */
+const closedOnPurpose = new WeakSet<RedisClient>();
+
+/** Closes a client from connectRedis for good (it would otherwise be reconnected). */
+export function closeRedis(redis: RedisClient): void {
+  closedOnPurpose.add(redis);
+  redis.disconnect();
+}
+
 /** Builds the ioredis client for a topology, not yet connected. */
 function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisClient {
   const common = {
@@ -291,6 +300,23 @@ export async function connectRedis(
     if (connected) log.info(`${where}: connected again`);
     down = false;
     refused = false;
+    ended = 0;
+  });
+  // ioredis can give a client up for good: a failover that Sentinel announces while the client
+  // is asking a sentinel for the master makes that reconnect throw, and the client ends (6.0.0;
+  // every later command then fails at once). Only closeRedis may end it: any other end is
+  // reconnected after the usual backoff, and the calls waiting on it retry meanwhile.
+  let ended = 0;
+  redis.on('end', () => {
+    if (closedOnPurpose.has(redis)) return;
+    ended += 1;
+    if (ended === 1) log.warn(`${where}: the Redis client gave up; connecting it again`);
+    setTimeout(() => {
+      if (closedOnPurpose.has(redis) || redis.status !== 'end') return;
+      redis.connect().catch(() => {
+        // 'error' and 'end' report it; this handler tries again.
+      });
+    }, retryStrategy(ended));
   });
   const started = Date.now();
   try {
@@ -354,7 +380,7 @@ export async function connectRedis(
       });
     });
   } catch (error) {
-    redis.disconnect();
+    closeRedis(redis);
     throw error;
   }
   connected = true;

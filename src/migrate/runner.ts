@@ -8,7 +8,7 @@ import { redactUrl } from '../config/redact.js';
 import { describeRedis, parseRedisUrl } from '../config/redis-url.js';
 import type { BridgeSettings } from '../config/settings.js';
 import { newOwnerToken } from '../dedup/cache.js';
-import { connectRedis, untilRedisAnswers } from '../dedup/redis.js';
+import { closeRedis, connectRedis, untilRedisAnswers } from '../dedup/redis.js';
 import { BridgeError, ExitCode, RuntimeFailure, StopRequested } from '../errors.js';
 import type { Logger } from '../log.js';
 import type { RouteWatch } from '../observe/server.js';
@@ -201,7 +201,7 @@ export async function runMigration(
     };
   } finally {
     await lock?.release();
-    redis.disconnect();
+    closeRedis(redis);
   }
 }
 

@@ -205,7 +205,40 @@ export class FaultProxy {
     this.port = typeof address === 'object' && address ? address.port : 0;
   }
 
+  /** Whether connections made now wait, unanswered, until holdNewConnections(false). */
+  private holding = false;
+  /** Connections accepted while holding, not yet passed on to the server. */
+  private readonly waiting = new Set<Socket>();
+
+  /**
+   * On: connections made from now on are accepted and then left hanging, their bytes unread and
+   * nothing sent on to the server (a server too busy to answer); connections made before go on
+   * flowing. Off: the waiting ones are passed on, with what they sent meanwhile.
+   */
+  holdNewConnections(on: boolean): void {
+    this.holding = on;
+    if (on) return;
+    const waiting = [...this.waiting];
+    this.waiting.clear();
+    for (const client of waiting) {
+      if (client.destroyed) continue;
+      this.accept(client);
+      client.resume();
+    }
+  }
+
+  /** How many connections are waiting (holdNewConnections). */
+  get heldConnections(): number {
+    return this.waiting.size;
+  }
+
   private accept(client: Socket): void {
+    if (this.holding) {
+      client.pause();
+      this.waiting.add(client);
+      client.once('close', () => this.waiting.delete(client));
+      return;
+    }
     const upstream = createConnection({ host: this.targetHost, port: this.targetPort });
     const pair: [Socket, Socket] = [client, upstream];
     this.pairs.add(pair);
@@ -363,6 +396,7 @@ export class FaultProxy {
   }
 
   async stop(): Promise<void> {
+    for (const client of this.waiting) client.destroy();
     this.resetAll();
     await new Promise<void>((resolve) => (this.server ? this.server.close(() => resolve()) : resolve()));
   }
