@@ -9,7 +9,7 @@ import { routeToken } from '../src/bridge/route-mark.js';
 import { parseDuration } from '../src/config/duration.js';
 import { DEFAULTS } from '../src/config/settings.js';
 import { sliceLengthFor } from '../src/dedup/cache.js';
-import { connectRedis } from '../src/dedup/redis.js';
+import { closeRedis, connectRedis } from '../src/dedup/redis.js';
 import { createLogger } from '../src/observe/log.js';
 import { contentHeaderOf } from '../src/wire/properties.js';
 import { field, longString } from './wire.js';
@@ -387,7 +387,7 @@ export async function clearOfSliceEnd(
     const left = sliceMs - (now % sliceMs);
     if (left < marginMs) await new Promise((resolve) => setTimeout(resolve, left + 100));
   } finally {
-    redis.disconnect();
+    closeRedis(redis);
   }
 }
 

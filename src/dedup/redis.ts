@@ -311,12 +311,13 @@ export async function connectRedis(
     if (closedOnPurpose.has(redis)) return;
     ended += 1;
     if (ended === 1) log.warn(`${where}: the Redis client gave up; connecting it again`);
+    // Unref'd: a client left ended is never what keeps a process alive.
     setTimeout(() => {
       if (closedOnPurpose.has(redis) || redis.status !== 'end') return;
       redis.connect().catch(() => {
         // 'error' and 'end' report it; this handler tries again.
       });
-    }, retryStrategy(ended));
+    }, retryStrategy(ended)).unref();
   });
   const started = Date.now();
   try {

@@ -3,7 +3,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createIdempotentConsumer } from '../../src/client/consumer.js';
-import { connectRedis } from '../../src/dedup/redis.js';
+import { closeRedis, connectRedis } from '../../src/dedup/redis.js';
 import { createLogger } from '../../src/observe/log.js';
 import { cli, RedisClusterSet } from '../harness/redis-topologies.js';
 import {
@@ -116,7 +116,7 @@ describe('Redis Cluster (three masters, one replica each)', () => {
     } finally {
       await consumer.stop();
       await broker.close();
-      redis.disconnect();
+      closeRedis(redis);
     }
     expect(consumer.counts).toMatchObject({ processed: 200, duplicates: 50, failures: 0 });
     expect(countDelivery('cluster consumer', ids, handled)).toMatchObject({
