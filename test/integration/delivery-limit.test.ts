@@ -285,11 +285,12 @@ describe('a quorum source with a delivery limit loses nothing', () => {
     );
   }, 60_000);
 
-  // Found by the same review: a run of 20,000 lost 52 (115 before the budget change) to a SIGTERM,
-  // what was on its way to the consumer when it was cancelled coming back counted.
+  // Found by the same review: a run of 20,000 lost 52 (115 before the budget change) to a SIGTERM
+  // at about 2,500, what was on its way to the consumer when it was cancelled coming back counted.
+  // What is still queued behind the stop plays no part: 8,000 leave most of them in the source.
   it('run, SIGTERM mid-transfer, x-delivery-limit 0: every message on the target or in the source, once', async () => {
     const { sourceUrl, targetUrl } = servers();
-    const all = numbered('sigterm', 20_000).ids;
+    const all = numbered('sigterm', 8_000).ids;
     const source = await quorumSource(0, all);
     const target = uniqueName('dst-sigterm');
     await declareQueue(targetUrl, target);
