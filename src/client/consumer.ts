@@ -5,7 +5,7 @@ import { backoffDelay } from '../backoff.js';
 import { REDIS_PREFIX_PATTERN, SCOPE_PATTERN } from '../config/settings.js';
 import { DedupCache, type DedupCacheOptions, newOwnerToken } from '../dedup/cache.js';
 import { keyOfField } from '../dedup/id.js';
-import type { RedisClient } from '../dedup/redis.js';
+import { quitRedis, type RedisClient, reconnectWhenEnded } from '../dedup/redis.js';
 import { ConfigError } from '../errors.js';
 import { DUPLICATE_ID_HEADER, IN_DOUBT_HEADER } from '../headers.js';
 import type { ClaimState } from '../ports.js';
@@ -440,6 +440,8 @@ async function openCommitLanes(
       const connection = commitConnection(redis);
       lanes.push({ redis: connection, cache: undefined as unknown as DedupCache, tail: Promise.resolve() });
       connection.on('error', () => {}); // ioredis retries; a commit meanwhile fails and is retried
+      // Ours to keep up: a copy of a Sentinel client may be given up by ioredis after a failover.
+      reconnectWhenEnded(connection);
       await connection.connect();
       (lanes.at(-1) as CommitLane).cache = await DedupCache.open(connection, cacheOptions);
     }
@@ -478,7 +480,7 @@ async function unwatch(lane: CommitLane, key: string): Promise<void> {
 }
 
 async function closeLane(lane: CommitLane): Promise<void> {
-  await lane.redis.quit().catch(() => lane.redis.disconnect());
+  await quitRedis(lane.redis);
 }
 
 /** Runs `work` alone on the lane's connection (commits queue behind each other). */

@@ -154,6 +154,38 @@ export function closeRedis(redis: RedisClient): void {
   redis.disconnect();
 }
 
+/** The same after the replies still due (QUIT). */
+export async function quitRedis(redis: RedisClient): Promise<void> {
+  closedOnPurpose.add(redis);
+  await redis.quit().catch(() => redis.disconnect());
+}
+
+/**
+ * Connects `redis` again whenever it ends but through closeRedis or quitRedis. ioredis can give a
+ * client up for good: a failover that Sentinel announces while the client is asking a sentinel
+ * for the master makes that reconnect throw, and the client ends (6.0.0; every later command then
+ * fails at once). Each end is followed by a new connect after the usual backoff, and the calls
+ * that failed meanwhile are retried by their callers; `onGaveUp` hears of the first of a series.
+ */
+export function reconnectWhenEnded(redis: RedisClient, onGaveUp: () => void = () => {}): void {
+  let ended = 0;
+  redis.on('ready', () => {
+    ended = 0;
+  });
+  redis.on('end', () => {
+    if (closedOnPurpose.has(redis)) return;
+    ended += 1;
+    if (ended === 1) onGaveUp();
+    // Unref'd: a client left ended is never what keeps a process alive.
+    setTimeout(() => {
+      if (closedOnPurpose.has(redis) || redis.status !== 'end') return;
+      redis.connect().catch(() => {
+        // 'error' and 'end' report it; this handler tries again.
+      });
+    }, retryStrategy(ended)).unref();
+  });
+}
+
 /** Builds the ioredis client for a topology, not yet connected. */
 function newClient(topology: RedisTopology, tls: TlsFiles | undefined): RedisClient {
   const common = {
@@ -300,25 +332,8 @@ export async function connectRedis(
     if (connected) log.info(`${where}: connected again`);
     down = false;
     refused = false;
-    ended = 0;
   });
-  // ioredis can give a client up for good: a failover that Sentinel announces while the client
-  // is asking a sentinel for the master makes that reconnect throw, and the client ends (6.0.0;
-  // every later command then fails at once). Only closeRedis may end it: any other end is
-  // reconnected after the usual backoff, and the calls waiting on it retry meanwhile.
-  let ended = 0;
-  redis.on('end', () => {
-    if (closedOnPurpose.has(redis)) return;
-    ended += 1;
-    if (ended === 1) log.warn(`${where}: the Redis client gave up; connecting it again`);
-    // Unref'd: a client left ended is never what keeps a process alive.
-    setTimeout(() => {
-      if (closedOnPurpose.has(redis) || redis.status !== 'end') return;
-      redis.connect().catch(() => {
-        // 'error' and 'end' report it; this handler tries again.
-      });
-    }, retryStrategy(ended)).unref();
-  });
+  reconnectWhenEnded(redis, () => log.warn(`${where}: the Redis client gave up; connecting it again`));
   const started = Date.now();
   try {
     await new Promise<void>((resolve, reject) => {

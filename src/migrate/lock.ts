@@ -1,8 +1,12 @@
 import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
+import { formatDuration } from '../config/duration.js';
 import { asMissingGrant, type RedisClient } from '../dedup/redis.js';
 import { BridgeError, ExitCode } from '../errors.js';
 import type { Logger } from '../log.js';
+
+/** How long the end of a run waits for Redis to drop its job lock; the lease lets it go anyway. */
+const RELEASE_WAIT_MS = 5000;
 
 /** Another run of the same job holds the lock: exit 3. */
 class JobLockedError extends BridgeError {
@@ -86,9 +90,29 @@ export class JobLock {
     }
   }
 
+  /**
+   * Drops the lock, waiting at most RELEASE_WAIT_MS: Redis calls wait through an outage, and a
+   * run that ends because Redis stayed down past --retry-for must still end.
+   */
   async release(): Promise<void> {
     clearInterval(this.timer);
-    await script(this.redis, 'lock-release')(this.key, this.value).catch(() => 0);
+    let timer: NodeJS.Timeout | undefined;
+    const released = await Promise.race([
+      script(this.redis, 'lock-release')(this.key, this.value).then(
+        () => true,
+        () => false,
+      ),
+      new Promise<false>((resolve) => {
+        timer = setTimeout(() => resolve(false), RELEASE_WAIT_MS);
+      }),
+    ]);
+    clearTimeout(timer);
+    if (!released) {
+      this.log.warn(
+        { key: this.key },
+        `job lock not released (Redis did not answer); the next run of this job is refused until it expires, within --job-lock-lease (${formatDuration(this.leaseMs)})`,
+      );
+    }
   }
 }
 

@@ -36,6 +36,8 @@ beforeAll(async () => {
   redis = new RedisServer(runDir, 'trouble-redis');
   await redis.start();
   admin = new Redis(redis.url, { lazyConnect: true, maxRetriesPerRequest: 1 });
+  // While a test has stopped this Redis, the admin client reconnects quietly.
+  admin.on('error', () => {});
   await admin.connect();
 });
 
@@ -163,6 +165,51 @@ describe('a full Redis (OOM under noeviction)', () => {
     expect(total.lost).toBe(0);
     expect(total.duplicated).toBe(0);
     expect(total.unexpected).toBe(0);
+  });
+});
+
+describe('a Redis that dies mid-run and stays down', () => {
+  it('migrate ends after --retry-for with exit 1, says its job lock was not released, and loses nothing', async () => {
+    const { sourceUrl, targetUrl, source, target } = await queuePair();
+    const { ids, messages } = numbered(source, 2000);
+    await publishAll(sourceUrl, source, messages);
+    const run = migrateWithReport(
+      migrateArgsTo(source, target, '--retry-for', '2s', '--prefetch', '100', '--max-rate', '600'),
+    );
+    expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= 300)).toBe(true);
+    await redis.stop(true);
+    const atFault = await depthOf(targetUrl, target);
+    let result: Awaited<typeof run>;
+    try {
+      // Before the fix the run never ended: dropping the job lock waited for Redis.
+      result = await run;
+    } finally {
+      await redis.start();
+    }
+    const onTarget = idsOf(await takeAll(targetUrl, target));
+    const inSource = idsOf(await takeAll(sourceUrl, source));
+    process.stdout.write(
+      `redis gone mid-run: ${atFault} of ${messages.length} on the target when it died; exit ${result.code}; ${onTarget.length} on the target, ${inSource.length} left in the source\n`,
+    );
+    // It struck mid-transfer, and the bridge saw it.
+    expect(atFault).toBeLessThan(messages.length / 2);
+    expect(result.stdout + result.stderr).toMatch(/lost; reconnecting/);
+    expect(result.code).toBe(1);
+    expect(result.stderr).not.toMatch(/internal error|\n\s+at /);
+    const own = ownLines(result.stderr);
+    expect(own).toHaveLength(1);
+    expect(own[0]).toMatch(
+      /^dedup-bridge: Redis at redis:\/\/127\.0\.0\.1:\d+ unreachable for \ds \(--retry-for\)/,
+    );
+    expect(result.stdout + result.stderr).toMatch(
+      /job lock not released \(Redis did not answer\); the next run of this job is refused until it expires, within --job-lock-lease \(30s\)/,
+    );
+    expect(result.report).toMatchObject({ outcome: 'failed', exitCode: 1 });
+    // Nothing lost: each ID is on the target or back in the source.
+    const count = countDelivery('redis gone mid-run (target + source)', ids, [...onTarget, ...inSource]);
+    expect(count.lost).toBe(0);
+    expect(count.unexpected).toBe(0);
+    expect(inSource.length).toBeGreaterThan(0);
   });
 });
 

@@ -1,14 +1,22 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterEach, beforeEach, describe, expect, it } from 'vitest';
+import { createIdempotentConsumer } from '../../src/client/consumer.js';
+import { closeRedis, connectRedis } from '../../src/dedup/redis.js';
+import { createLogger } from '../../src/observe/log.js';
 import { FaultProxy } from '../harness/proxy.js';
 import { RedisSentinelSet, SENTINEL_MASTER } from '../harness/redis-topologies.js';
 import {
+  countDelivery,
+  declareQueue,
   delivered,
   depthOf,
   migrateArgs,
   numbered,
+  openBroker,
   publishAll,
   queuePair,
+  servers,
   startCli,
+  uniqueName,
   waitFor,
 } from '../helpers.js';
 import { extraCopies, onRedis } from './topo-helpers.js';
@@ -17,59 +25,64 @@ const TOTAL = 3000;
 const GAVE_UP = 'the Redis client gave up; connecting it again';
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 
-describe('Redis Sentinel: the failover is announced while the bridge asks a sentinel for the master', () => {
+describe('Redis Sentinel: the failover is announced while a client asks a sentinel for the master', () => {
   let set: RedisSentinelSet;
-  const proxies: FaultProxy[] = [];
-  beforeAll(async () => {
+  let proxies: FaultProxy[] = [];
+  beforeEach(async () => {
     set = await RedisSentinelSet.start();
-    // The bridge reaches each sentinel through a proxy, so that its questions can be left unanswered.
+    // Clients reach each sentinel through a proxy, so that their questions can be left unanswered.
+    proxies = [];
     for (const sentinel of set.sentinels) {
       const proxy = new FaultProxy('127.0.0.1', sentinel.port);
       await proxy.start();
       proxies.push(proxy);
     }
   });
-  afterAll(async () => {
+  afterEach(async () => {
     await Promise.all(proxies.map((proxy) => proxy.stop()));
     await set?.stop();
   });
+
+  const proxiedUrl = () =>
+    `redis-sentinel://${proxies.map((proxy) => `127.0.0.1:${proxy.port}`).join(',')}/${SENTINEL_MASTER}`;
+
+  /**
+   * Kills the master with every new question to the sentinels left unanswered, waits until every
+   * sentinel has switched to the promoted replica (and so announced it, +switch-master, to its
+   * subscribers), then lets the questions through. Returns how many waited.
+   */
+  async function failOverMidQuestion(): Promise<number> {
+    for (const proxy of proxies) proxy.holdNewConnections(true);
+    await set.master.stop(true);
+    const promoted = String(set.replica.port);
+    for (const sentinel of set.sentinels) {
+      const switched = async () =>
+        (await sentinel.cli('sentinel', 'get-master-addr-by-name', SENTINEL_MASTER)).includes(promoted);
+      expect(await waitFor(switched, 30_000)).toBe(true);
+    }
+    await sleep(1000);
+    const waiting = proxies.reduce((sum, proxy) => sum + proxy.heldConnections, 0);
+    for (const proxy of proxies) proxy.holdNewConnections(false);
+    return waiting;
+  }
 
   it('the bridge connects to the promoted replica and loses nothing (ioredis gave such a client up for good)', async () => {
     const { sourceUrl, targetUrl, source, target } = await queuePair();
     const { ids, messages } = numbered(source, TOTAL);
     await publishAll(sourceUrl, source, messages);
-    const url = `redis-sentinel://${proxies.map((proxy) => `127.0.0.1:${proxy.port}`).join(',')}/${SENTINEL_MASTER}`;
     const bridge = startCli(
-      onRedis(migrateArgs(source, ['--target-queue', target], '--max-rate', '400'), url),
+      onRedis(migrateArgs(source, ['--target-queue', target], '--max-rate', '400'), proxiedUrl()),
     );
     expect(await waitFor(async () => (await depthOf(targetUrl, target)) >= TOTAL / 3, 30_000)).toBe(true);
 
     // The sentinels keep announcing on the connections the bridge listens on, but leave each new
     // question unanswered: the bridge's reconnects after the master's death wait at a sentinel.
-    for (const proxy of proxies) proxy.holdNewConnections(true);
     const depthAtKill = await depthOf(targetUrl, target);
-    await set.master.stop(true);
-    const promoted = set.replica.port;
-    expect(await waitFor(async () => (await set.masterPort()) === promoted, 30_000)).toBe(true);
-    // Every sentinel has switched, and so announced it (+switch-master) to its subscribers.
-    for (const sentinel of set.sentinels) {
-      expect(
-        await waitFor(
-          async () =>
-            (await sentinel.cli('sentinel', 'get-master-addr-by-name', SENTINEL_MASTER)).includes(
-              String(promoted),
-            ),
-          20_000,
-        ),
-      ).toBe(true);
-    }
-    await sleep(1000);
+    const waiting = await failOverMidQuestion();
     // The fault landed mid-transfer, with the bridge's reconnects waiting for an answer.
-    const waiting = proxies.reduce((sum, proxy) => sum + proxy.heldConnections, 0);
     expect(waiting).toBeGreaterThan(0);
     expect(depthAtKill).toBeLessThan(TOTAL);
     const depthAtAnswer = await depthOf(targetUrl, target);
-    for (const proxy of proxies) proxy.holdNewConnections(false);
 
     const ended = await bridge.done;
     expect(ended.code, ended.stderr).toBe(0);
@@ -90,4 +103,53 @@ describe('Redis Sentinel: the failover is announced while the bridge asks a sent
       `sentinel announced mid-question: master killed after ${depthAtKill} of ${TOTAL} forwarded · ${waiting} reconnect(s) waiting at a sentinel; ${depthAtAnswer} on the target when answered · clients given up by ioredis and connected again: ${gaveUp} · lost ${count.lost} · duplicated ${count.duplicated} (${extra.flagged} flagged)\n`,
     );
   });
+
+  it('the idempotent consumer connects its commit connections again, and handles each message once', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('sentinel-app');
+    await declareQueue(targetUrl, queue);
+    // The application's client, kept up as the CLI keeps its own (docs/library.md says how).
+    const redis = await connectRedis(proxiedUrl(), 10_000, createLogger('silent'));
+    const broker = await openBroker(targetUrl);
+    const handled = new Map<string, number>();
+    const failures: string[] = [];
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      retryDelayMs: 100,
+      handler: (message) => {
+        const id = String(message.properties.headers?._HQ_DUPL_ID);
+        handled.set(id, (handled.get(id) ?? 0) + 1);
+      },
+      onError: (error) => failures.push(String((error as Error).message)),
+    });
+    try {
+      const before = numbered('app-before', 300);
+      await publishAll(targetUrl, queue, before.messages);
+      expect(await waitFor(() => consumer.counts.processed === 300, 30_000)).toBe(true);
+      // The consumer's commit connections and the application's client all reconnect at once.
+      const waiting = await failOverMidQuestion();
+      expect(waiting).toBeGreaterThan(1);
+      const after = numbered('app-after', 300);
+      await publishAll(targetUrl, queue, after.messages);
+      // Messages that failed in the moment are retried after their backoff (up to 30 s).
+      expect(await waitFor(() => consumer.counts.processed === 600, 90_000)).toBe(true);
+      const count = countDelivery(
+        'idempotent consumer, sentinel announced mid-question',
+        [...before.ids, ...after.ids],
+        [...handled.entries()].flatMap(([id, times]) => Array.from({ length: times }, () => id)),
+      );
+      expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+      expect(await depthOf(targetUrl, queue)).toBe(0);
+      process.stdout.write(
+        `idempotent consumer, sentinel announced mid-question: ${waiting} connections waiting at a sentinel · 600 of 600 handled once · ${failures.length} attempts failed and were retried (${[...new Set(failures)].join('; ')})\n`,
+      );
+    } finally {
+      await consumer.stop();
+      await broker.close();
+      closeRedis(redis);
+    }
+  }, 150_000);
 });
