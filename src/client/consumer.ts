@@ -485,9 +485,34 @@ async function closeLane(lane: CommitLane): Promise<void> {
 
 /** Runs `work` alone on the lane's connection (commits queue behind each other). */
 function exclusive<T>(lane: CommitLane, work: () => Promise<T>): Promise<T> {
-  const run = lane.tail.then(work, work);
+  const guarded = () => unlessClosed(lane.redis, work());
+  const run = lane.tail.then(guarded, guarded);
   lane.tail = run.catch(() => {});
   return run;
+}
+
+/**
+ * `work`, or a failure once the connection closes before it settles. On a reconnect ioredis 6.0.0
+ * drops the replies still due on a connection that does not resend them (as a commit connection
+ * does not) without ever settling them: the lane, and every message waiting for it, would wait
+ * for ever. Whether an EXEC in flight ran is then unknown; the retry finds out (an ID it
+ * committed comes back a duplicate, its handler not run again).
+ */
+function unlessClosed<T>(redis: RedisClient, work: Promise<T>): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    const onClose = () => reject(new Error('the commit connection closed before Redis answered'));
+    redis.once('close', onClose);
+    work.then(
+      (value) => {
+        redis.off('close', onClose);
+        resolve(value);
+      },
+      (error: unknown) => {
+        redis.off('close', onClose);
+        reject(error);
+      },
+    );
+  });
 }
 
 async function execOrThrow(transaction: ChainableCommander): Promise<void> {

@@ -1,3 +1,4 @@
+import { rmSync } from 'node:fs';
 import type { ConsumeMessage, GetMessage } from 'amqplib';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
@@ -7,8 +8,11 @@ import { DedupPublisher, newDedupId, withDedupId } from '../../src/client/produc
 import { publishUnit, UNIT_SIZE_HEADER } from '../../src/client/unit.js';
 import { DedupCache } from '../../src/dedup/cache.js';
 import { keyOfValue } from '../../src/dedup/id.js';
+import { closeRedis, connectRedis } from '../../src/dedup/redis.js';
 import { IN_DOUBT_HEADER } from '../../src/headers.js';
+import { createLogger } from '../../src/observe/log.js';
 import { FaultProxy } from '../harness/proxy.js';
+import { newRunDir, RedisServer } from '../harness/servers.js';
 import {
   countDelivery,
   declareQueue,
@@ -643,6 +647,78 @@ describe('the library: producers, units and the idempotent consumer', () => {
 });
 
 /** Every message in the queue, in order, left in it: read unacked, then returned by closing the channel. */
+describe('the idempotent consumer when Redis drops its connections', () => {
+  let runDir: string;
+  let server: RedisServer;
+  beforeAll(async () => {
+    runDir = newRunDir();
+    server = new RedisServer(runDir, 'consumer-redis');
+    await server.start();
+  });
+  afterAll(async () => {
+    await server?.stop();
+    if (runDir) rmSync(runDir, { recursive: true, force: true });
+  });
+
+  it('every connection killed mid-stream: it goes on, each effect lands once, and stop() returns', async () => {
+    const { targetUrl } = servers();
+    const queue = uniqueName('dropped');
+    await declareQueue(targetUrl, queue);
+    const redis = await connectRedis(server.url, 10_000, createLogger('silent'));
+    const admin = new Redis(server.url);
+    const broker = await openBroker(targetUrl);
+    const effects = `effects:${uniqueName('app')}`;
+    const failures = new Map<string, number>();
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      prefetch: 20,
+      retryDelayMs: 100,
+      handler: async (message, context) => {
+        // The effect, in the commit's transaction: it lands once or not at all.
+        context.transaction().hincrby(effects, String(message.properties.headers?._HQ_DUPL_ID), 1);
+        await sleep(5);
+      },
+      onError: (error) => {
+        const text = (error as Error).message;
+        failures.set(text, (failures.get(text) ?? 0) + 1);
+      },
+    });
+    try {
+      const { ids, messages } = numbered('dropped', 1500);
+      await publishAll(targetUrl, queue, messages);
+      expect(await waitFor(() => consumer.counts.processed >= 300, 30_000)).toBe(true);
+      // Every connection but the admin's own: the consumer's commit connections with their
+      // commits in flight, and the application's client.
+      const killed = Number(await admin.call('CLIENT', 'KILL', 'TYPE', 'normal'));
+      const atKill = consumer.counts.processed;
+      expect(killed).toBeGreaterThan(1);
+      expect(atKill).toBeLessThan(1500);
+      // Before the fix the consumer stalled here for good: the replies the killed connections
+      // still owed were dropped, never settled, and held every prefetch slot.
+      expect(await waitFor(() => consumer.counts.processed === 1500, 60_000)).toBe(true);
+      const landed = (await admin.hgetall(effects)) as Record<string, string>;
+      const count = countDelivery(
+        'effects after the connections were killed',
+        ids,
+        Object.entries(landed).flatMap(([id, times]) => Array.from({ length: Number(times) }, () => id)),
+      );
+      expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+      expect(await depthOf(targetUrl, queue)).toBe(0);
+      process.stdout.write(
+        `consumer, connections killed at ${atKill} of 1500 processed: ${killed} killed · 1500 effects once · retried: ${JSON.stringify([...failures])}\n`,
+      );
+    } finally {
+      await consumer.stop();
+      await broker.close();
+      admin.disconnect();
+      closeRedis(redis);
+    }
+  });
+});
+
 async function peekAll(url: string, queue: string): Promise<GetMessage[]> {
   const broker = await openBroker(url);
   const out: GetMessage[] = [];
