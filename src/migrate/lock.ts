@@ -97,20 +97,23 @@ export class JobLock {
   async release(): Promise<void> {
     clearInterval(this.timer);
     let timer: NodeJS.Timeout | undefined;
-    const released = await Promise.race([
+    const outcome = await Promise.race([
       script(this.redis, 'lock-release')(this.key, this.value).then(
-        () => true,
-        () => false,
+        () => undefined,
+        (error: unknown) => `the release failed: ${(error as Error).message.split('\n')[0]}`,
       ),
-      new Promise<false>((resolve) => {
-        timer = setTimeout(() => resolve(false), RELEASE_WAIT_MS);
+      new Promise<string>((resolve) => {
+        timer = setTimeout(
+          () => resolve(`Redis did not answer within ${formatDuration(RELEASE_WAIT_MS)}`),
+          RELEASE_WAIT_MS,
+        );
       }),
     ]);
     clearTimeout(timer);
-    if (!released) {
+    if (outcome) {
       this.log.warn(
         { key: this.key },
-        `job lock not released (Redis did not answer); the next run of this job is refused until it expires, within --job-lock-lease (${formatDuration(this.leaseMs)})`,
+        `job lock not released (${outcome}); unless the release still reaches it, the next run of this job is refused until the lock expires, within --job-lock-lease (${formatDuration(this.leaseMs)})`,
       );
     }
   }
