@@ -29,15 +29,26 @@ export function haveLocalServers(): boolean {
   );
 }
 
+/**
+ * A port nothing listens on, below the kernel's ephemeral range (Linux: 32768 and up). A port from
+ * that range can be taken as the local port of any outgoing connection between this check and the
+ * server's own bind, and redis-server then exits with "Address already in use" (a CI run of
+ * 2026-12-05 lost a Sentinel set so, with the other suites connecting beside it).
+ */
 export async function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
+  for (let attempt = 0; attempt < 200; attempt++) {
+    const port = 20_000 + Math.floor(Math.random() * 12_000);
+    if (await canListen(port)) return port;
+  }
+  throw new Error('harness: no free port between 20000 and 32000');
+}
+
+function canListen(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
     const server = createServer();
     server.unref();
-    server.on('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const address = server.address();
-      server.close(() => resolve(typeof address === 'object' && address ? address.port : 0));
-    });
+    server.once('error', () => resolve(false));
+    server.listen(port, '127.0.0.1', () => server.close(() => resolve(true)));
   });
 }
 

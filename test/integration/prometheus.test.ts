@@ -1,11 +1,11 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import { stringify } from 'yaml';
 import { FaultProxy } from '../harness/proxy.js';
+import { freePort } from '../harness/servers.js';
 import {
   metricsUrl,
   numbered,
@@ -23,15 +23,6 @@ import { alertRules, dashboardQueries, requirePrometheus, withGrafanaValues } fr
 // dashboard's queries run, a working route fires no alert, and a route whose source broker is cut
 // away fires DedupBridgeNotConsuming. The source goes through a FaultProxy, so the harness's broker,
 // which other tests use, is never stopped: stopping the proxy is the source going away.
-
-/** A loopback port nobody listens on now. */
-async function freePort(): Promise<number> {
-  const server = createServer();
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  const address = server.address();
-  await new Promise<void>((resolve) => server.close(() => resolve()));
-  return typeof address === 'object' && address ? address.port : 0;
-}
 
 // Panels whose queries have series once the route has forwarded (rates of 0 and NaN quantiles count).
 const HAVE_DATA = [
