@@ -157,7 +157,9 @@ export function closeRedis(redis: RedisClient): void {
 /** The same after the replies still due (QUIT). */
 export async function quitRedis(redis: RedisClient): Promise<void> {
   closedOnPurpose.add(redis);
-  await redis.quit().catch(() => redis.disconnect());
+  await redis.quit().catch(() => {});
+  // QUIT closes the connection, not the sentinel connections of ioredis's failoverDetector.
+  redis.disconnect();
 }
 
 /**
