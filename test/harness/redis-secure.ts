@@ -3,7 +3,7 @@ import { existsSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { promisify } from 'node:util';
 import { RedisProcess, SENTINEL_MASTER, until } from './redis-topologies.js';
-import { cleanLeftovers, freePort, newRunDir } from './servers.js';
+import { cleanLeftovers, freeRedisPort, newRunDir } from './servers.js';
 import { makeLeaf, type TestCertificates } from './tls.js';
 
 const exec = promisify(execFile);
@@ -51,11 +51,11 @@ async function secured(
   config: string[],
   options: { sentinel?: boolean; password?: string } = {},
 ): Promise<Secured> {
-  const tlsPort = await freePort();
+  const tlsPort = await freeRedisPort();
   const server = new RedisProcess(
     runDir,
     label,
-    await freePort(),
+    await freeRedisPort(),
     [...config, ...tlsLines(certs, tlsPort)],
     options.sentinel,
     options.password,
@@ -168,7 +168,7 @@ export class SecureClusterSet {
             certs,
             [
               'cluster-enabled yes',
-              `cluster-port ${await freePort()}`,
+              `cluster-port ${await freeRedisPort()}`,
               'cluster-config-file nodes.conf',
               'cluster-node-timeout 1500',
               'tls-cluster yes',

@@ -2,7 +2,7 @@ import { execFile } from 'node:child_process';
 import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { cleanLeftovers, freePort, isAlive, newRunDir } from './servers.js';
+import { cleanLeftovers, freeRedisPort, isAlive, newRunDir } from './servers.js';
 
 const exec = promisify(execFile);
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -105,7 +105,7 @@ export class RedisClusterSet {
     const set = new RedisClusterSet(await newRun());
     try {
       for (let index = 0; index < 6; index++) {
-        const [port, busPort] = [await freePort(), await freePort()];
+        const [port, busPort] = [await freeRedisPort(), await freeRedisPort()];
         set.nodes.push(
           new RedisProcess(set.runDir, `cluster-${index}`, port, [
             'cluster-enabled yes',
@@ -210,8 +210,8 @@ export class RedisSentinelSet {
     const set = new RedisSentinelSet(await newRun());
     try {
       const data = ['appendonly yes', 'save ""'];
-      set.master = new RedisProcess(set.runDir, 'sentinel-master', await freePort(), data);
-      set.replica = new RedisProcess(set.runDir, 'sentinel-replica', await freePort(), [
+      set.master = new RedisProcess(set.runDir, 'sentinel-master', await freeRedisPort(), data);
+      set.replica = new RedisProcess(set.runDir, 'sentinel-replica', await freeRedisPort(), [
         ...data,
         `replicaof 127.0.0.1 ${set.master.port}`,
       ]);
@@ -227,7 +227,7 @@ export class RedisSentinelSet {
           new RedisProcess(
             set.runDir,
             `sentinel-${index}`,
-            await freePort(),
+            await freeRedisPort(),
             [
               `sentinel monitor ${SENTINEL_MASTER} 127.0.0.1 ${set.master.port} 2`,
               `sentinel down-after-milliseconds ${SENTINEL_MASTER} 1000`,

@@ -29,13 +29,27 @@ export function haveLocalServers(): boolean {
   );
 }
 
-/**
- * A port nothing listens on, below the kernel's ephemeral range (Linux: 32768 and up). A port from
- * that range can be taken as the local port of any outgoing connection between this check and the
- * server's own bind, and redis-server then exits with "Address already in use" (a CI run of
- * 2026-12-05 lost a Sentinel set so, with the other suites connecting beside it).
- */
+/** A loopback port nobody listens on now, as the kernel hands them out (its ephemeral range). */
 export async function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = createServer();
+    server.unref();
+    server.on('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const address = server.address();
+      server.close(() => resolve(typeof address === 'object' && address ? address.port : 0));
+    });
+  });
+}
+
+/**
+ * A port for a redis-server, from below the kernel's ephemeral range (Linux: 32768 and up). A port
+ * from that range can be taken as the local port of any outgoing connection between the check
+ * and the server's own bind, and redis-server then exits with "Address already in use" (a CI run
+ * of 2026-12-05 lost a Sentinel set so). Not for RabbitMQ nodes: with their ports from this range
+ * the next CI's nodes did not boot, for a reason not yet found, so they keep freePort.
+ */
+export async function freeRedisPort(): Promise<number> {
   for (let attempt = 0; attempt < 200; attempt++) {
     const port = 20_000 + Math.floor(Math.random() * 12_000);
     if (await canListen(port)) return port;
@@ -317,7 +331,7 @@ export class RedisServer {
 
   async start(): Promise<void> {
     if (this.port === 0) {
-      this.port = await freePort();
+      this.port = await freeRedisPort();
       mkdirSync(this.dir, { recursive: true });
     }
     const args = [

@@ -1,7 +1,7 @@
 import { spawnSync } from 'node:child_process';
 import { mkdirSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { freePort, haveLocalServers, newRunDir, RabbitNode, RedisServer } from './servers.js';
+import { freePort, freeRedisPort, haveLocalServers, newRunDir, RabbitNode, RedisServer } from './servers.js';
 
 /** The PEM files a TLS test needs, made by openssl in the test's own folder. */
 export interface TestCertificates {
@@ -105,7 +105,7 @@ export async function startTlsServers(harnessRunDir: string): Promise<TlsServers
   const runDir = harnessRunDir || newRunDir();
   const amqpsPort = await freePort();
   const managementTlsPort = await freePort();
-  const redissPort = await freePort();
+  const redissPort = await freeRedisPort();
   const streamTlsPort = await freePort();
   const streamPort = await freePort();
   // The node runs as the rabbitmq user: its files go inside its folder, which RabbitNode chowns.

@@ -1,7 +1,7 @@
 import { rmSync } from 'node:fs';
 import { FaultProxy } from '../harness/proxy.js';
 import { cli, type RedisClusterSet, RedisProcess, SENTINEL_MASTER } from '../harness/redis-topologies.js';
-import { cleanLeftovers, freePort, newRunDir } from '../harness/servers.js';
+import { cleanLeftovers, freeRedisPort, newRunDir } from '../harness/servers.js';
 import { waitFor } from '../helpers.js';
 
 const DATA = ['appendonly yes', 'save ""'];
@@ -26,11 +26,11 @@ export class ProxiedSentinelSet {
     cleanLeftovers();
     const set = new ProxiedSentinelSet(newRunDir());
     try {
-      set.master = new RedisProcess(set.runDir, 'master', await freePort(), DATA);
+      set.master = new RedisProcess(set.runDir, 'master', await freeRedisPort(), DATA);
       await set.master.start();
       set.link = new FaultProxy('127.0.0.1', set.master.port);
       await set.link.start();
-      set.replica = new RedisProcess(set.runDir, 'replica', await freePort(), [
+      set.replica = new RedisProcess(set.runDir, 'replica', await freeRedisPort(), [
         ...DATA,
         `replicaof 127.0.0.1 ${set.link.port}`,
       ]);
@@ -43,7 +43,7 @@ export class ProxiedSentinelSet {
           new RedisProcess(
             set.runDir,
             `sentinel-${index}`,
-            await freePort(),
+            await freeRedisPort(),
             [
               `sentinel monitor ${SENTINEL_MASTER} 127.0.0.1 ${set.master.port} 2`,
               `sentinel down-after-milliseconds ${SENTINEL_MASTER} 1000`,
