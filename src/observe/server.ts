@@ -1,4 +1,4 @@
-import { createServer, type IncomingMessage, type ServerResponse } from 'node:http';
+import type { IncomingMessage, ServerResponse } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { Bridge } from '../bridge/bridge.js';
 import { ConfigError } from '../errors.js';
@@ -80,6 +80,9 @@ export async function startObserveServer(
 ): Promise<ObserveServer> {
   // prom-client is loaded only when metrics are served: it cost every start about 55 ms.
   const { BridgeMetrics: Metrics } = await import('./metrics.js');
+  // node:http likewise: Node 24 builds its ES-module namespace by reading every export, and one of
+  // them loads the bundled fetch client (undici), about 40 ms of every start.
+  const { createServer } = await import('node:http');
   const metrics = new Metrics();
   for (const bridge of bridges) metrics.add(bridge);
 

@@ -1,4 +1,4 @@
-import { type ChildProcess, spawn } from 'node:child_process';
+import { type ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { CLI, delivered, depthOf, numbered, publishAll, queuePair, runArgs, waitFor } from '../helpers.js';
@@ -90,5 +90,21 @@ describe('the CLI process', () => {
     });
     expect(envLine.filter((arg) => /^--max[-_]semi/.test(arg))).toEqual([]);
     expect(envLine).toContain('--heap-growing-percent=100');
+  });
+
+  it("starts without loading what only --metrics or --source-management use (Node's HTTP stack and fetch client, prom-client)", () => {
+    // Each is tens of ms of every start (docs/performance.md); the modules a run needs are loaded.
+    const probe = `import { createRequire } from 'node:module';
+      await import(${JSON.stringify(new URL('../../dist/cli/main.js', import.meta.url).href)});
+      const loaded = Object.keys(createRequire(import.meta.url).cache);
+      console.log(JSON.stringify({
+        builtins: process.moduleLoadList.filter((m) => /^NativeModule (http|https|http2|internal\\/deps\\/undici\\/undici)$/.test(m)),
+        packages: [...new Set(loaded.map((path) => path.split('node_modules/')[1]?.split('/')[0]).filter(Boolean))],
+      }));`;
+    const out = execFileSync(process.execPath, ['--input-type=module', '-e', probe], { encoding: 'utf8' });
+    const { builtins, packages } = JSON.parse(out) as { builtins: string[]; packages: string[] };
+    expect(builtins).toEqual([]);
+    expect(packages).not.toContain('prom-client');
+    expect(packages).toEqual(expect.arrayContaining(['amqplib', 'ioredis', 'pino', 'commander']));
   });
 });
