@@ -1,12 +1,15 @@
 import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
+import { Cluster } from 'ioredis';
 import { formatDuration } from '../config/duration.js';
-import { asMissingGrant, type RedisClient } from '../dedup/redis.js';
+import { asMissingGrant, closeRedis, type RedisClient } from '../dedup/redis.js';
 import { BridgeError, ExitCode } from '../errors.js';
 import type { Logger } from '../log.js';
 
 /** How long the end of a run waits for Redis to drop its job lock; the lease lets it go anyway. */
 const RELEASE_WAIT_MS = 5000;
+/** How often the spare connection of a release tries Redis again (see JobLock.release). */
+const SPARE_RETRY_MS = 200;
 
 /** Another run of the same job holds the lock: exit 3. */
 class JobLockedError extends BridgeError {
@@ -92,15 +95,24 @@ export class JobLock {
 
   /**
    * Drops the lock, waiting at most RELEASE_WAIT_MS: Redis calls wait through an outage, and a
-   * run that ends because Redis stayed down past --retry-for must still end.
+   * run that ends because Redis stayed down past --retry-for must still end. When the run's client
+   * is not connected, the release goes over a spare connection too, which tries every
+   * SPARE_RETRY_MS: after a long outage the client waits up to 5 s between attempts, and would
+   * miss a Redis back within the wait, leaving the next run refused until the lease ran out.
    */
   async release(): Promise<void> {
     clearInterval(this.timer);
+    this.log.debug({ key: this.key }, 'dropping the job lock');
+    const release = (redis: RedisClient) => script(redis, 'lock-release')(this.key, this.value);
+    const spare = this.redis.status === 'ready' ? undefined : spareOf(this.redis);
+    const attempts = spare ? [release(this.redis), release(spare)] : [release(this.redis)];
     let timer: NodeJS.Timeout | undefined;
     const outcome = await Promise.race([
-      script(this.redis, 'lock-release')(this.key, this.value).then(
+      // Either one releasing it is enough: the other then finds the lock gone, and changes nothing.
+      Promise.any(attempts).then(
         () => undefined,
-        (error: unknown) => `the release failed: ${(error as Error).message.split('\n')[0]}`,
+        (failed: AggregateError) =>
+          `the release failed: ${(failed.errors[0] as Error).message.split('\n')[0]}`,
       ),
       new Promise<string>((resolve) => {
         timer = setTimeout(
@@ -110,6 +122,7 @@ export class JobLock {
       }),
     ]);
     clearTimeout(timer);
+    if (spare) closeRedis(spare);
     if (outcome) {
       this.log.warn(
         { key: this.key },
@@ -117,6 +130,17 @@ export class JobLock {
       );
     }
   }
+}
+
+/** A new connection like `redis`, retrying every SPARE_RETRY_MS; its errors are the release's to report. */
+function spareOf(redis: RedisClient): RedisClient {
+  const retry = () => SPARE_RETRY_MS;
+  const spare =
+    redis instanceof Cluster
+      ? redis.duplicate([], { clusterRetryStrategy: retry })
+      : redis.duplicate({ retryStrategy: retry, sentinelRetryStrategy: retry });
+  spare.on('error', () => {});
+  return spare;
 }
 
 function describeHolder(value: string | null): string {
