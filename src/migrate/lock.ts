@@ -10,6 +10,7 @@ import type { Logger } from '../log.js';
 const RELEASE_WAIT_MS = 5000;
 /** How often the spare connection of a release tries Redis again (see JobLock.release). */
 const SPARE_RETRY_MS = 200;
+const SPARE_CONNECT_TIMEOUT_MS = 1000;
 
 /** Another run of the same job holds the lock: exit 3. */
 class JobLockedError extends BridgeError {
@@ -105,18 +106,25 @@ export class JobLock {
     this.log.debug({ key: this.key }, 'dropping the job lock');
     const release = (redis: RedisClient) => script(redis, 'lock-release')(this.key, this.value);
     const spare = this.redis.status === 'ready' ? undefined : spareOf(this.redis);
-    const attempts = spare ? [release(this.redis), release(spare)] : [release(this.redis)];
+    // A refusal (NOPERM, WRONGPASS) over either connection says more than "no answer" at the end.
+    const failure = (error: unknown) => `the release failed: ${(error as Error).message.split('\n')[0]}`;
+    let refusal: string | undefined;
+    const attempt = (redis: RedisClient) =>
+      release(redis).catch((error: unknown) => {
+        if ((error as Error).name === 'ReplyError') refusal ??= failure(error);
+        throw error;
+      });
+    const attempts = spare ? [attempt(this.redis), attempt(spare)] : [attempt(this.redis)];
     let timer: NodeJS.Timeout | undefined;
     const outcome = await Promise.race([
       // Either one releasing it is enough: the other then finds the lock gone, and changes nothing.
       Promise.any(attempts).then(
         () => undefined,
-        (failed: AggregateError) =>
-          `the release failed: ${(failed.errors[0] as Error).message.split('\n')[0]}`,
+        (failed: AggregateError) => refusal ?? failure(failed.errors[0]),
       ),
       new Promise<string>((resolve) => {
         timer = setTimeout(
-          () => resolve(`Redis did not answer within ${formatDuration(RELEASE_WAIT_MS)}`),
+          () => resolve(refusal ?? `Redis did not answer within ${formatDuration(RELEASE_WAIT_MS)}`),
           RELEASE_WAIT_MS,
         );
       }),
@@ -132,13 +140,25 @@ export class JobLock {
   }
 }
 
-/** A new connection like `redis`, retrying every SPARE_RETRY_MS; its errors are the release's to report. */
+/**
+ * A new connection like `redis`, retrying every SPARE_RETRY_MS, each attempt given at most a
+ * second (a host that drops packets would hold the first for the whole wait); no failover
+ * watch of its own. Its errors are the release's to report.
+ */
 function spareOf(redis: RedisClient): RedisClient {
   const retry = () => SPARE_RETRY_MS;
   const spare =
     redis instanceof Cluster
-      ? redis.duplicate([], { clusterRetryStrategy: retry })
-      : redis.duplicate({ retryStrategy: retry, sentinelRetryStrategy: retry });
+      ? redis.duplicate([], {
+          clusterRetryStrategy: retry,
+          redisOptions: { ...redis.options.redisOptions, connectTimeout: SPARE_CONNECT_TIMEOUT_MS },
+        })
+      : redis.duplicate({
+          retryStrategy: retry,
+          sentinelRetryStrategy: retry,
+          connectTimeout: SPARE_CONNECT_TIMEOUT_MS,
+          failoverDetector: false,
+        });
   spare.on('error', () => {});
   return spare;
 }
