@@ -79,7 +79,7 @@ export async function readQueueShape(
       throw new FatalConnectError(`--source-management: ${redactUrl(managementUrl)}: ${tlsProblem}`);
     }
     throw new UnavailableError(
-      `--source-management: ${redactUrl(managementUrl)} did not answer (${redactSecrets((error as Error).message, secretsOf(managementUrl))}); check the URL and that the management plugin runs`,
+      `--source-management: ${redactUrl(managementUrl)} did not answer (${redactSecrets((error as Error).message.split('\n')[0] ?? '', secretsOf(managementUrl))}); check the URL and that the management plugin runs`,
     );
   }
   if (response.status === 401) {

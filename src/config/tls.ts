@@ -248,6 +248,9 @@ const NOT_TLS = new Set([
   'ERR_SSL_PACKET_LENGTH_TOO_LONG',
   'ERR_SSL_HTTP_REQUEST',
 ]);
+// The same, as OpenSSL words it in an EPROTO error: "...:SSL routines:<function>:<reason>:<file>:<line>:".
+const OPENSSL_REASON = /SSL routines:[^:]*:([^:]+):/;
+const NOT_TLS_REASONS = new Set(['wrong version number', 'packet length too long', 'http request']);
 
 /**
  * Names a TLS failure and its fix, or undefined when the error is not about TLS. None of these
@@ -271,6 +274,15 @@ export function tlsFailure(error: unknown, side: TlsSide, prefix = `--${side}`):
   }
   if (NOT_TLS.has(code))
     return `the server does not speak TLS on this port (${code}); check the port in the URL`;
+  if (code === 'EPROTO') {
+    // Node's https client reports a failed handshake so, with OpenSSL's whole error line (its
+    // source file, a newline) as the message: name only OpenSSL's reason.
+    const reason = OPENSSL_REASON.exec((error as Error).message)?.[1];
+    if (reason === undefined) return undefined;
+    if (NOT_TLS_REASONS.has(reason))
+      return `the server does not speak TLS on this port (${reason}); check the port in the URL`;
+    return `TLS handshake failed (${reason})`;
+  }
   if (code.startsWith('ERR_SSL_')) return `TLS handshake failed (${code})`;
   return undefined;
 }

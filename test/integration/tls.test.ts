@@ -271,6 +271,11 @@ describe('TLS (amqps:// and rediss://)', () => {
         ['--source-management', tls.rabbit.managementUrl, '--source-management-ca', tls.certs.ca],
         /^dedup-bridge: --source-management-ca: needs --source-management to be https:\/\/, not http:\/\//,
       ],
+      [
+        // https:// to the plain HTTP port: OpenSSL's reason, on one line.
+        ['--source-management', tls.rabbit.managementUrl.replace(/^http:/, 'https:')],
+        /: the server does not speak TLS on this port \(wrong version number\); check the port in the URL$/,
+      ],
     ] as const) {
       const refused = await migrate(...extra);
       expect(refused.code, refused.stderr).toBe(2);

@@ -48,6 +48,24 @@ describe('TLS failures are told apart from network failures', () => {
     expect(fatal?.message).toBe(`target broker at amqps://mq:5671: ${text}`);
   });
 
+  it("Node's https client's EPROTO names OpenSSL's reason only, on one line", () => {
+    const https = (reason: string) =>
+      Object.assign(
+        new Error(
+          `write EPROTO 40FD811B0B7F0000:error:0A00010B:SSL routines:tls_validate_record_header:${reason}:../deps/openssl/openssl/ssl/record/methods/tlsany_meth.c:77:\n`,
+        ),
+        { code: 'EPROTO' },
+      );
+    expect(tlsFailure(https('wrong version number'), 'source', '--source-management')).toBe(
+      'the server does not speak TLS on this port (wrong version number); check the port in the URL',
+    );
+    expect(tlsFailure(https('unsupported protocol'), 'source', '--source-management')).toBe(
+      'TLS handshake failed (unsupported protocol)',
+    );
+    // An EPROTO without OpenSSL's words is no TLS failure this can name.
+    expect(tlsFailure(nodeError('EPROTO'), 'source')).toBeUndefined();
+  });
+
   it('names the host a certificate does not list', () => {
     expect(tlsFailure(nodeError('ERR_TLS_CERT_ALTNAME_INVALID', { host: 'mq-b' }), 'redis')).toBe(
       'TLS certificate does not name the host "mq-b" (ERR_TLS_CERT_ALTNAME_INVALID); connect by a host name or address the certificate lists',
