@@ -92,7 +92,7 @@ describe('the CLI process', () => {
     expect(envLine).toContain('--heap-growing-percent=100');
   });
 
-  it("starts without loading what only --metrics or --source-management use (Node's HTTP stack and fetch client, prom-client)", () => {
+  it("starts without loading what only --metrics-port or --source-management use (Node's HTTP stack and fetch client, prom-client)", () => {
     // Each is tens of ms of every start (docs/performance.md); the modules a run needs are loaded.
     const probe = `import { createRequire } from 'node:module';
       await import(${JSON.stringify(new URL('../../dist/cli/main.js', import.meta.url).href)});
