@@ -1,4 +1,5 @@
 import amqp from 'amqplib';
+import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { FaultProxy } from '../harness/proxy.js';
 import { migrateWithReport, type RunningCli, startCli, uniqueName, waitFor } from '../helpers.js';
@@ -47,6 +48,8 @@ const STALL_MESSAGES = FULL ? 6_000 : 2_000;
 /** The stall scenarios' pace: each replica holds this many messages, each claim takes 2 × the delay. */
 const STALL_PREFETCH = 20;
 const STALL_REDIS_DELAY_MS = 50;
+/** Stalls tried, at most, until one catches the replica holding claims. */
+const STALL_ATTEMPTS = 5;
 /** Per test: the full run's transfers take a minute or more at the slow line's pace (replicas: three). */
 const TEST_TIMEOUT_MS = FULL ? 900_000 : 240_000;
 /**
@@ -83,6 +86,32 @@ async function untilPublishing(link: FaultProxy): Promise<boolean> {
     if (busyPolls >= 2) return true;
   }
   return false;
+}
+
+/** The claims in Redis of `targetQueue`'s scope, key → value (`c:<owner>:<lease expiry>:<flag>`). */
+async function claimsOf(redis: Redis, targetQueue: string): Promise<Map<string, string>> {
+  const keys: string[] = [];
+  let cursor = '0';
+  do {
+    const [next, found] = await redis.scan(cursor, 'MATCH', `*${targetQueue}*:c:*`, 'COUNT', 1000);
+    cursor = next;
+    keys.push(...found);
+  } while (cursor !== '0');
+  const values = keys.length > 0 ? await redis.mget(...keys) : [];
+  return new Map(keys.flatMap((key, i) => (values[i] ? [[key, values[i]] as const] : [])));
+}
+
+/**
+ * How many claims a stalled replica holds: once what it sent before the stall has landed, the
+ * claims that stay as they were for a second. The running replica's never do: it commits (and so
+ * deletes) a claim within a few Redis round trips, and a renewal changes its value.
+ */
+async function frozenClaims(redis: Redis, targetQueue: string): Promise<number> {
+  await sleep(STALL_REDIS_DELAY_MS * 6);
+  const before = await claimsOf(redis, targetQueue);
+  await sleep(1000);
+  const after = await claimsOf(redis, targetQueue);
+  return [...before].filter(([key, value]) => after.get(key) === value).length;
 }
 
 describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, {
@@ -539,6 +568,8 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       const started = Date.now();
       const links = new ReplicaLinks(world);
       await links.start();
+      // Straight to Redis, past both replicas' delayed links: where their claims are.
+      const admin = new Redis(world.redisAof.url, { maxRetriesPerRequest: 1 });
       links.redis.setDelay(STALL_REDIS_DELAY_MS);
       world.proxies.redis.setDelay(STALL_REDIS_DELAY_MS);
       const steady = startBridgeProcess({ world, sourceQueue, targetQueue, prefetch: STALL_PREFETCH });
@@ -556,19 +587,36 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         for (let k = 0; k < STALLS; k++) {
           const at = Math.round((STALL_MESSAGES * (15 + k * 20)) / 100);
           expect(await untilDepth(probe, targetQueue, at), `the transfer never reached ${at}`).toBe(true);
-          // Only while the replica to stall publishes, so that it holds claims when it stalls: the
-          // broker shares deliveries between the two, but one may take a while to get its share.
-          expect(
-            await untilPublishing(links.target),
-            `${name} ${k + 1}: the replica to stall was not publishing`,
-          ).toBe(true);
-          landings.push(await land(targetQueue, `${name} ${k + 1}`, STALL_MESSAGES));
-          stallStarts.push(Date.now());
-          if (stall === 'paused') stalled.signal('SIGSTOP');
-          else links.setMode('blackhole');
-          await sleep(STALL_MS);
-          if (stall === 'paused') stalled.signal('SIGCONT');
-          else links.setMode('pass');
+          // The stall must catch the replica holding claims, or there is nothing to take over: a
+          // stall that struck just after it sent its last commit is let go at once, and tried again
+          // (the CI of 00:10 saw one such: no claim taken over).
+          let held = 0;
+          for (let attempt = 1; held === 0 && attempt <= STALL_ATTEMPTS; attempt++) {
+            // Only while the replica to stall publishes, so that it holds claims when it stalls: the
+            // broker shares deliveries between the two, but one may take a while to get its share.
+            expect(
+              await untilPublishing(links.target),
+              `${name} ${k + 1}: the replica to stall was not publishing`,
+            ).toBe(true);
+            const landing = await land(targetQueue, `${name} ${k + 1}`, STALL_MESSAGES);
+            const since = Date.now();
+            if (stall === 'paused') stalled.signal('SIGSTOP');
+            else links.setMode('blackhole');
+            held = await frozenClaims(admin, targetQueue);
+            if (held > 0) {
+              landings.push(landing);
+              stallStarts.push(since);
+              process.stdout.write(`landing: ${name} ${k + 1}: the stalled replica holds ${held} claim(s)\n`);
+              await sleep(STALL_MS - (Date.now() - since));
+            } else {
+              process.stdout.write(
+                `landing: ${name} ${k + 1}: attempt ${attempt} caught no claim held; again\n`,
+              );
+            }
+            if (stall === 'paused') stalled.signal('SIGCONT');
+            else links.setMode('pass');
+          }
+          expect(held, `${name} ${k + 1}: no stall caught the replica holding claims`).toBeGreaterThan(0);
         }
         done = await waitForTransfer(world, sourceQueue, targetQueue, STALL_MESSAGES, TRANSFER_TIMEOUT_MS);
       } finally {
@@ -578,6 +626,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         stalled.signal('SIGTERM');
       }
       const exits = await Promise.all([steady.done, stalled.done]);
+      admin.disconnect();
       await links.stop();
       const copies = await drainTarget(world.target.url, targetQueue);
       const result = score(
