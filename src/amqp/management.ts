@@ -74,7 +74,7 @@ export async function readQueueShape(
   try {
     response = await getJson(path, `Basic ${Buffer.from(`${user}:${password}`).toString('base64')}`, ca);
   } catch (error) {
-    const tlsProblem = tlsFailure(error, 'source', '--source-management');
+    const tlsProblem = tlsFailure(error, 'source', '--source-management', false);
     if (tlsProblem) {
       throw new FatalConnectError(`--source-management: ${redactUrl(managementUrl)}: ${tlsProblem}`);
     }

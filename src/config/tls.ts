@@ -256,7 +256,13 @@ const NOT_TLS_REASONS = new Set(['wrong version number', 'packet length too long
  * Names a TLS failure and its fix, or undefined when the error is not about TLS. None of these
  * are retried: another attempt meets the same certificate.
  */
-export function tlsFailure(error: unknown, side: TlsSide, prefix = `--${side}`): string | undefined {
+export function tlsFailure(
+  error: unknown,
+  side: TlsSide,
+  prefix = `--${side}`,
+  /** Whether the user can give this connection a client certificate (not the management API). */
+  clientCertificate = true,
+): string | undefined {
   const flag = (_side: TlsSide, kind: FileKind) => `${prefix}-${kind}`;
   const code = (error as { code?: unknown } | undefined)?.code;
   if (typeof code !== 'string') return undefined;
@@ -270,6 +276,8 @@ export function tlsFailure(error: unknown, side: TlsSide, prefix = `--${side}`):
     return `TLS certificate does not name the host${named} (${code}); connect by a host name or address the certificate lists`;
   }
   if (CLIENT_CERT_REFUSED.has(code)) {
+    if (!clientCertificate)
+      return `the server refused the TLS handshake (${code}): it asks for a client certificate, and ${prefix} sends none; let it accept clients without one`;
     return `the server refused the TLS handshake (${code}); check ${flag(side, 'cert')} and ${flag(side, 'key')} (a client certificate signed by a CA the server trusts)`;
   }
   if (NOT_TLS.has(code))

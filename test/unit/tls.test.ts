@@ -62,6 +62,17 @@ describe('TLS failures are told apart from network failures', () => {
     expect(tlsFailure(https('unsupported protocol'), 'source', '--source-management')).toBe(
       'TLS handshake failed (unsupported protocol)',
     );
+    // The management API takes no client certificate: no flag to check is named.
+    expect(
+      tlsFailure(
+        nodeError('ERR_SSL_TLSV13_ALERT_CERTIFICATE_REQUIRED'),
+        'source',
+        '--source-management',
+        false,
+      ),
+    ).toBe(
+      'the server refused the TLS handshake (ERR_SSL_TLSV13_ALERT_CERTIFICATE_REQUIRED): it asks for a client certificate, and --source-management sends none; let it accept clients without one',
+    );
     // An EPROTO without OpenSSL's words is no TLS failure this can name.
     expect(tlsFailure(nodeError('EPROTO'), 'source')).toBeUndefined();
   });
