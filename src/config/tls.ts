@@ -249,6 +249,8 @@ const NOT_TLS = new Set([
   'ERR_SSL_HTTP_REQUEST',
 ]);
 // The same, as OpenSSL words it in an EPROTO error: "...:SSL routines:<function>:<reason>:<file>:<line>:".
+// Node 24 offers TLS 1.2 and 1.3 only; a server that takes neither, or no cipher of theirs, fails so.
+const HANDSHAKE_ADVICE = 'check that the server accepts TLS 1.2 or 1.3 with a common cipher';
 const OPENSSL_REASON = /SSL routines:[^:]*:([^:]+):/;
 const NOT_TLS_REASONS = new Set(['wrong version number', 'packet length too long', 'http request']);
 
@@ -289,8 +291,8 @@ export function tlsFailure(
     if (reason === undefined) return undefined;
     if (NOT_TLS_REASONS.has(reason))
       return `the server does not speak TLS on this port (${reason}); check the port in the URL`;
-    return `TLS handshake failed (${reason})`;
+    return `TLS handshake failed (${reason}); ${HANDSHAKE_ADVICE}`;
   }
-  if (code.startsWith('ERR_SSL_')) return `TLS handshake failed (${code})`;
+  if (code.startsWith('ERR_SSL_')) return `TLS handshake failed (${code}); ${HANDSHAKE_ADVICE}`;
   return undefined;
 }

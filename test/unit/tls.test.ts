@@ -39,7 +39,10 @@ describe('TLS failures are told apart from network failures', () => {
       'ERR_SSL_TLSV1_ALERT_UNKNOWN_CA',
       'the server refused the TLS handshake (ERR_SSL_TLSV1_ALERT_UNKNOWN_CA); check --target-cert and --target-key (a client certificate signed by a CA the server trusts)',
     ],
-    ['ERR_SSL_NO_SHARED_CIPHER', 'TLS handshake failed (ERR_SSL_NO_SHARED_CIPHER)'],
+    [
+      'ERR_SSL_NO_SHARED_CIPHER',
+      'TLS handshake failed (ERR_SSL_NO_SHARED_CIPHER); check that the server accepts TLS 1.2 or 1.3 with a common cipher',
+    ],
   ])('%s is a fatal refusal with its fix', (code, text) => {
     expect(tlsFailure(nodeError(code), 'target')).toBe(text);
     const fatal = classifyConnectError(nodeError(code), 'target broker at amqps://mq:5671', 'target');
@@ -60,7 +63,7 @@ describe('TLS failures are told apart from network failures', () => {
       'the server does not speak TLS on this port (wrong version number); check the port in the URL',
     );
     expect(tlsFailure(https('unsupported protocol'), 'source', '--source-management')).toBe(
-      'TLS handshake failed (unsupported protocol)',
+      'TLS handshake failed (unsupported protocol); check that the server accepts TLS 1.2 or 1.3 with a common cipher',
     );
     // The management API takes no client certificate: no flag to check is named.
     expect(
