@@ -248,9 +248,9 @@ const NOT_TLS = new Set([
   'ERR_SSL_PACKET_LENGTH_TOO_LONG',
   'ERR_SSL_HTTP_REQUEST',
 ]);
-// The same, as OpenSSL words it in an EPROTO error: "...:SSL routines:<function>:<reason>:<file>:<line>:".
 // Node 24 offers TLS 1.2 and 1.3 only; a server that takes neither, or no cipher of theirs, fails so.
 const HANDSHAKE_ADVICE = 'check that the server accepts TLS 1.2 or 1.3 with a common cipher';
+// NOT_TLS, as OpenSSL words it in an EPROTO error: "...:SSL routines:<function>:<reason>:<file>:<line>:".
 const OPENSSL_REASON = /SSL routines:[^:]*:([^:]+):/;
 const NOT_TLS_REASONS = new Set(['wrong version number', 'packet length too long', 'http request']);
 
