@@ -268,6 +268,13 @@ export async function createIdempotentConsumer(
     }
   };
 
+  /** Whether the ID is committed now (false when Redis cannot tell). */
+  const committedNow = (key: string): Promise<boolean> =>
+    cache.lookup([key]).then(
+      ([record]) => record?.state === 'committed',
+      () => false,
+    );
+
   /** Claims the ID, waiting while another consumer handles it; 'busy' only when stopping. */
   const untilNotBusy = async (key: string): Promise<ClaimState> => {
     for (;;) {
@@ -299,6 +306,7 @@ export async function createIdempotentConsumer(
         )
       : undefined;
     let outcome: 'committed' | 'lost';
+    let committing = false;
     try {
       try {
         await handler(message, context);
@@ -309,12 +317,23 @@ export async function createIdempotentConsumer(
       }
       if (key) {
         lane ??= takeLane();
+        committing = true;
         outcome = await commitWhileClaimed(lane, key, transaction ?? lane.redis.multi(), message);
       } else {
         if (lane && transaction) await exclusive(lane, () => execOrThrow(transaction as ChainableCommander));
         outcome = 'committed';
       }
     } catch (error) {
+      // A commit connection that closed before Redis answered the EXEC: Redis may have run it (a
+      // CLIENT KILL after the EXEC, before its reply was written). Our claim held at the WATCH, so
+      // the ID committed now is our commit: the effect landed, once, and the message is done (a
+      // retry would find the ID committed and count it a duplicate, never processed).
+      if (key && committing && (await committedNow(key))) {
+        counts.processed++;
+        if (idKey) attempts.delete(idKey);
+        ack(message);
+        return;
+      }
       // The handler's MULTI is dropped unsent (ioredis sends it on exec only), or its EXEC failed.
       counts.failures++;
       report(error, message);
@@ -495,8 +514,8 @@ function exclusive<T>(lane: CommitLane, work: () => Promise<T>): Promise<T> {
  * `work`, or a failure once the connection closes before it settles. On a reconnect ioredis 6.0.0
  * drops the replies still due on a connection that does not resend them (as a commit connection
  * does not) without ever settling them: the lane, and every message waiting for it, would wait
- * for ever. Whether an EXEC in flight ran is then unknown; the retry finds out (an ID it
- * committed comes back a duplicate, its handler not run again).
+ * for ever. Whether an EXEC in flight ran is then unknown: the caller looks the ID up (see
+ * runHandler), and a retry finds out too (an ID committed comes back a duplicate).
  */
 function unlessClosed<T>(redis: RedisClient, work: Promise<T>): Promise<T> {
   return new Promise<T>((resolve, reject) => {

@@ -1,4 +1,5 @@
 import { rmSync } from 'node:fs';
+import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import type { ConsumeMessage, GetMessage } from 'amqplib';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
@@ -660,6 +661,62 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     if (runDir) rmSync(runDir, { recursive: true, force: true });
   });
 
+  it('a commit whose EXEC ran but whose reply was lost with its connection counts as processed, once', async () => {
+    // Redis runs an EXEC and then drops the connection before its reply leaves (a CLIENT KILL in
+    // the same event-loop pass): the effect and the ID's mark landed. The consumer must count the
+    // message processed and ack it, not retry it and count a duplicate (the connection-kill test
+    // below saw 1,497 processed and 3 duplicates once, under load).
+    const { targetUrl } = servers();
+    const queue = uniqueName('exec-reply-lost');
+    await declareQueue(targetUrl, queue);
+    const proxy = await execReplyDropper(server.port);
+    const redis = await connectRedis(`redis://127.0.0.1:${proxy.port}`, 10_000, createLogger('silent'));
+    const admin = new Redis(server.url);
+    const broker = await openBroker(targetUrl);
+    const effects = `effects:${uniqueName('app')}`;
+    const errors: string[] = [];
+    let calls = 0;
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      retryDelayMs: 100,
+      handler: (message, context) => {
+        calls++;
+        context.transaction().hincrby(effects, String(message.properties.headers?._HQ_DUPL_ID), 1);
+      },
+      onError: (error) => errors.push((error as Error).message),
+    });
+    try {
+      const { ids, messages } = numbered('exec-reply-lost', 3);
+      await publishAll(targetUrl, queue, messages);
+      expect(await waitFor(() => consumer.counts.processed + consumer.counts.duplicates >= 3, 20_000)).toBe(
+        true,
+      );
+      expect(proxy.dropped(), 'EXEC replies dropped with their connection').toBe(1);
+      const landed = (await admin.hgetall(effects)) as Record<string, string>;
+      const count = countDelivery(
+        'effects, one EXEC reply lost',
+        ids,
+        Object.entries(landed).flatMap(([id, times]) => Array.from({ length: Number(times) }, () => id)),
+      );
+      expect(count).toMatchObject({ lost: 0, duplicated: 0, unexpected: 0 });
+      expect(consumer.counts).toMatchObject({ processed: 3, duplicates: 0, failures: 0 });
+      expect(calls).toBe(3);
+      expect(await depthOf(targetUrl, queue)).toBe(0);
+      process.stdout.write(
+        `consumer, an EXEC reply lost: ${JSON.stringify(consumer.counts)}; told ${JSON.stringify(errors)}\n`,
+      );
+    } finally {
+      await consumer.stop();
+      await broker.close();
+      admin.disconnect();
+      closeRedis(redis);
+      await proxy.close();
+    }
+  });
+
   it('every connection killed mid-stream: it goes on, each effect lands once, and stop() returns', async () => {
     const { targetUrl } = servers();
     const queue = uniqueName('dropped');
@@ -698,8 +755,9 @@ describe('the idempotent consumer when Redis drops its connections', () => {
       expect(atKill).toBeLessThan(1500);
       // Before the fix the consumer stalled here for good: the replies the killed connections
       // still owed were dropped, never settled, and held every prefetch slot.
-      // What the consumer had done, should it stall (the CI of 00:37 saw it once, not reproduced in
-      // 14 runs alone, with or without two busy loops beside it).
+      // What the consumer had done, should it not get there (the CI of 00:37 failed here once; a
+      // loaded rerun showed 1,497 processed and 3 duplicates: EXECs that ran with their replies
+      // lost to the kill, see the test above).
       const allDone = await waitFor(() => consumer.counts.processed === 1500, 50_000);
       expect(
         allDone,
@@ -724,6 +782,58 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     }
   });
 });
+
+/**
+ * A TCP proxy to a Redis on `port` that lets the first EXEC through and then resets its connection
+ * instead of passing Redis's reply on: the transaction ran, its client never hears of it.
+ */
+async function execReplyDropper(
+  port: number,
+): Promise<{ port: number; dropped(): number; close(): Promise<void> }> {
+  let dropped = 0;
+  const sockets = new Set<Socket>();
+  const server: Server = createServer((client) => {
+    const upstream = createConnection({ host: '127.0.0.1', port });
+    sockets.add(client);
+    sockets.add(upstream);
+    let execSent = false;
+    client.on('data', (data: Buffer) => {
+      // ioredis names its commands in lower case.
+      if (dropped === 0 && /\r\nexec\r\n/i.test(data.toString('latin1'))) execSent = true;
+      upstream.write(data);
+    });
+    upstream.on('data', (data: Buffer) => {
+      if (execSent && dropped === 0) {
+        // Redis answered, so the EXEC ran: the reply goes nowhere, the connection is reset.
+        dropped++;
+        client.resetAndDestroy();
+        upstream.destroy();
+        return;
+      }
+      client.write(data);
+    });
+    const end = () => {
+      client.destroy();
+      upstream.destroy();
+      sockets.delete(client);
+      sockets.delete(upstream);
+    };
+    client.on('error', end);
+    upstream.on('error', end);
+    client.on('close', end);
+    upstream.on('close', end);
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const address = server.address();
+  return {
+    port: typeof address === 'object' && address ? address.port : 0,
+    dropped: () => dropped,
+    close: async () => {
+      for (const socket of sockets) socket.destroy();
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
+}
 
 async function peekAll(url: string, queue: string): Promise<GetMessage[]> {
   const broker = await openBroker(url);
