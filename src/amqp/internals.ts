@@ -288,10 +288,14 @@ export function coalesceWrites(model: ChannelModel): void {
   const readIncoming = muxer._readIncoming.bind(muxer);
   muxer._readIncoming = () => {
     const gate = muxer[WRITE_GATE];
-    if (gate && !gate.mayWrite()) return;
     socket.cork?.();
     try {
       readIncoming();
+      // Asked with the cycle's frames held by the corked socket, right before the one write that
+      // hands them to the kernel: a stall that strikes between the two is the only one whose
+      // frames leave unchecked, so the shorter that stretch, the better. On a no the gate reset
+      // the connection, and the destroyed socket drops what it held.
+      if (gate && !gate.mayWrite()) return;
     } finally {
       socket.uncork?.();
     }
@@ -301,9 +305,10 @@ export function coalesceWrites(model: ChannelModel): void {
 }
 
 /**
- * Asked before each write cycle of a connection (see coalesceWrites). A publish's frames wait in
- * amqplib's buffers until the next cycle, a setImmediate later: a process stopped in between
- * (SIGSTOP, a VM paused) writes them when it resumes, before any timer of its own has run.
+ * Asked in each write cycle of a connection (see coalesceWrites), before its frames are handed to
+ * the kernel. A publish's frames wait in amqplib's buffers until the next cycle, a setImmediate
+ * later: a process stopped in between (SIGSTOP, a VM paused) writes them when it resumes, before
+ * any timer of its own has run.
  */
 export interface WriteGate {
   /** False: the frames must not leave this host (the gate has reset the connection). */

@@ -1,3 +1,4 @@
+import { Socket } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { QueueTarget } from '../../src/amqp/queue-target.js';
 import { createLogger } from '../../src/observe/log.js';
@@ -101,6 +102,39 @@ describe('the write gate of the target connection', () => {
     const ids = arrived.map((message) => String(message.properties.headers?._HQ_DUPL_ID));
     console.log(`write gate: stale publish ${stale}, next ${next}; on the target: ${ids.join(', ')}`);
     expect(ids).toEqual(['after-the-reset']);
+  });
+
+  it('keeps on this host a publish whose writeBy passed while the process stalled inside the write cycle', async () => {
+    const queue = uniqueName('gate');
+    const { target: on, staleResets } = await startTarget(queue);
+    // The stall strikes after the cycle took the frames from amqplib's buffers, as the corked
+    // socket is handed them (the CI of 01:39 saw 12 copies leave a paused replica unflagged,
+    // second): the cycle must ask the gate after that, right before its one write to the kernel.
+    const marker = Buffer.from('stalled-in-the-write-cycle');
+    let stalled = 0;
+    const write = Socket.prototype.write;
+    Socket.prototype.write = function (this: Socket, chunk: unknown, ...rest: unknown[]) {
+      if (stalled === 0 && Buffer.isBuffer(chunk) && chunk.includes(marker)) {
+        stalled++;
+        stall(300);
+      }
+      return (write as (...args: unknown[]) => boolean).call(this, chunk, ...rest);
+    } as typeof write;
+    let outcome: PublishOutcome;
+    try {
+      outcome = await send(on, publishOf('stalled-in-the-write-cycle', performance.now() + 100), 0);
+    } finally {
+      Socket.prototype.write = write;
+    }
+    expect(stalled).toBe(1);
+    expect(outcome).toBe('unknown');
+    expect(staleResets()).toBe(1);
+    expect(await waitFor(() => on.isUp, 15_000)).toBe(true);
+    expect(await send(on, publishOf('after-the-reset', performance.now() + 10_000), 0)).toBe('stored');
+    const arrived = await takeAll(servers().targetUrl, queue);
+    expect(arrived.map((message) => String(message.properties.headers?._HQ_DUPL_ID))).toEqual([
+      'after-the-reset',
+    ]);
   });
 
   it('writes a publish that stalled as long but still within its writeBy, without a reset', async () => {
