@@ -1,3 +1,4 @@
+import { readFile } from 'node:fs/promises';
 import amqp from 'amqplib';
 import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -24,6 +25,7 @@ import {
   randomBetween,
   type ScenarioResult,
   SEEN,
+  SentBytes,
   score,
   sleep,
   startBridgeProcess,
@@ -70,20 +72,24 @@ interface Landing {
   percent: number;
 }
 
+/** A publish of the stall scenarios on the wire: 256 bytes of body and its frames (heartbeats are 8). */
+const PUBLISH_BYTES = 256;
+
 /**
- * Waits (up to 20 s) until a replica's target link carries publishes in two polls in a row, 100 ms
- * apart: it is forwarding, so it holds claims for what it has in flight.
+ * Waits (up to 20 s) until a replica's target link carries a burst of publishes, polled every
+ * 10 ms: the replica just wrote them, so it holds their claims until their commit (a slow Redis
+ * round trip) and is likely to hold others on their way. Two polls in a row at 100 ms missed the
+ * bursts of a replica slowed by a loaded machine until its last one (a local run stalled it with
+ * 2,000 of 2,000 on the target).
  */
 async function untilPublishing(link: FaultProxy): Promise<boolean> {
   const deadline = Date.now() + 20_000;
   let before = link.clientBytes;
-  let busyPolls = 0;
   while (Date.now() < deadline) {
-    await sleep(100);
+    await sleep(10);
     const now = link.clientBytes;
-    busyPolls = now > before ? busyPolls + 1 : 0;
+    if (now - before >= PUBLISH_BYTES) return true;
     before = now;
-    if (busyPolls >= 2) return true;
   }
   return false;
 }
@@ -112,6 +118,74 @@ async function frozenClaims(redis: Redis, targetQueue: string): Promise<number> 
   await sleep(1000);
   const after = await claimsOf(redis, targetQueue);
   return [...before].filter(([key, value]) => after.get(key) === value).length;
+}
+
+/**
+ * Where a stopped process's main thread stands (Linux, x86-64): waiting in epoll (idle between
+ * events: a stop there leaves every check of the bridge ahead of its writes) or in its own code,
+ * where a stop may fall between a check and the write it allows.
+ */
+async function stoppedIn(pid: number): Promise<string> {
+  await sleep(20);
+  try {
+    const nr = (await readFile(`/proc/${pid}/syscall`, 'utf8')).split(' ')[0]?.trim();
+    if (nr === '232' || nr === '281' || nr === '441') return 'idle, waiting in epoll';
+    if (nr === '-1') return 'in its own code';
+    return nr === 'running' ? 'not yet (still running)' : `in system call ${nr}`;
+  } catch {
+    return 'somewhere (no /proc)';
+  }
+}
+
+/**
+ * For each copy that came second unflagged: where it and its ID's first copy stand in the queue,
+ * and when each replica sent the ID, in seconds from the first stall's start (the stalls, too).
+ */
+function whereLate(
+  copies: Copy[],
+  stalls: { from: number; to: number }[],
+  stalled: SentBytes,
+  steady: SentBytes,
+): string {
+  const origin = stalls[0]?.from ?? 0;
+  const at = (time: number) => ((time - origin) / 1000).toFixed(2);
+  const firstAt = new Map<string, number>();
+  const lines: string[] = [];
+  copies.forEach((copy, index) => {
+    const first = firstAt.get(copy.id);
+    if (first === undefined) {
+      firstAt.set(copy.id, index);
+      return;
+    }
+    if (copy.inDoubt || lines.length >= 20) return;
+    lines.push(
+      `${copy.id} at ${index} (first at ${first}, ${copies[first]?.inDoubt ? 'flagged' : 'unflagged'}): stalled sent at [${stalled.whenSent(copy.id).map(at)}] s, steady at [${steady.whenSent(copy.id).map(at)}] s`,
+    );
+  });
+  const windows = stalls.map((stall) => `${at(stall.from)}–${at(stall.to)}`).join(', ');
+  return `stalls ${windows} s; ${lines.join('; ')}`;
+}
+
+/**
+ * When the two replicas sent the IDs that reached the target twice, in seconds from the first
+ * stall's start: the stalled one's copies should have left before its stall, the steady one's after
+ * the stalled one's leases ran out.
+ */
+function sentTwice(
+  copies: Copy[],
+  stalls: { from: number; to: number }[],
+  stalled: SentBytes,
+  steady: SentBytes,
+): string {
+  const origin = stalls[0]?.from ?? 0;
+  const counts = new Map<string, number>();
+  for (const copy of copies) counts.set(copy.id, (counts.get(copy.id) ?? 0) + 1);
+  const twice = [...counts].filter(([, count]) => count > 1).map(([id]) => id);
+  const span = (times: number[]) =>
+    times.length === 0
+      ? 'none'
+      : `${((Math.min(...times) - origin) / 1000).toFixed(2)}–${((Math.max(...times) - origin) / 1000).toFixed(2)} s`;
+  return `${twice.length} IDs came twice: the stalled replica sent them at ${span(twice.flatMap((id) => stalled.whenSent(id)))}, the steady one at ${span(twice.flatMap((id) => steady.whenSent(id)))} (stalls ${stalls.map((stall) => `${((stall.from - origin) / 1000).toFixed(2)}–${((stall.to - origin) / 1000).toFixed(2)}`).join(', ')} s)`;
 }
 
 describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, {
@@ -568,6 +642,9 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       const started = Date.now();
       const links = new ReplicaLinks(world);
       await links.start();
+      // When each copy left each replica, should one come second unflagged.
+      const sentByStalled = new SentBytes(links.target);
+      const sentBySteady = new SentBytes(world.proxies.target);
       // Straight to Redis, past both replicas' delayed links: where their claims are.
       const admin = new Redis(world.redisAof.url, { maxRetriesPerRequest: 1 });
       links.redis.setDelay(STALL_REDIS_DELAY_MS);
@@ -582,6 +659,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       });
       const landings: Landing[] = [];
       const stallStarts: number[] = [];
+      const stalls: { from: number; to: number }[] = [];
       let done = false;
       try {
         for (let k = 0; k < STALLS; k++) {
@@ -602,11 +680,14 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
             const since = Date.now();
             if (stall === 'paused') stalled.signal('SIGSTOP');
             else links.setMode('blackhole');
+            const where = stall === 'paused' ? `, stopped ${await stoppedIn(stalled.pid)}` : '';
             held = await frozenClaims(admin, targetQueue);
             if (held > 0) {
               landings.push(landing);
               stallStarts.push(since);
-              process.stdout.write(`landing: ${name} ${k + 1}: the stalled replica holds ${held} claim(s)\n`);
+              process.stdout.write(
+                `landing: ${name} ${k + 1}: the stalled replica holds ${held} claim(s)${where}\n`,
+              );
               await sleep(STALL_MS - (Date.now() - since));
             } else {
               process.stdout.write(
@@ -615,11 +696,13 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
             }
             if (stall === 'paused') stalled.signal('SIGCONT');
             else links.setMode('pass');
+            stalls.push({ from: since, to: Date.now() });
           }
           expect(held, `${name} ${k + 1}: no stall caught the replica holding claims`).toBeGreaterThan(0);
         }
         done = await waitForTransfer(world, sourceQueue, targetQueue, STALL_MESSAGES, TRANSFER_TIMEOUT_MS);
       } finally {
+        world.proxies.target.onClientData = undefined;
         world.proxies.redis.setDelay(0);
         stalled.signal('SIGCONT');
         steady.signal('SIGTERM');
@@ -643,6 +726,7 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
       const late = lateUnflagged(copies);
       const mine = stoppedCounters(exits[1].stdout);
       const took = stoppedCounters(exits[0].stdout);
+      process.stdout.write(`seen: ${name}: ${sentTwice(copies, stalls, sentByStalled, sentBySteady)}\n`);
       process.stdout.write(
         `seen: ${name}: the stalled replica fenced ${mine?.fenced} publishes, lost ${mine?.leaseLost} leases, reset its target link ${mine?.fenceResets} time(s); the steady one took ${took?.inDoubt} claims over in doubt; ${result.duplicates} extra copies on the target, ${late} of them unflagged after their ID's first\n`,
       );
@@ -658,7 +742,10 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
         expect(seen, `${name} ${k + 1}: the stalled replica never noticed`).toBeDefined();
       }
       expect(took?.inDoubt ?? 0, 'claims the steady replica took over in doubt').toBeGreaterThan(0);
-      expect(late, "copies after their ID's first without the in-doubt flag").toBe(0);
+      expect(
+        late,
+        `copies after their ID's first without the in-doubt flag: ${whereLate(copies, stalls, sentByStalled, sentBySteady)}`,
+      ).toBe(0);
       expectOnceAndOnlyOnce(result, landings.length, STALL_PREFETCH);
     });
   }

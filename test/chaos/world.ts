@@ -420,6 +420,39 @@ export function lateUnflagged(copies: Copy[]): number {
   return late;
 }
 
+/**
+ * What the clients of one proxy sent, with when it reached the proxy: to tell, for a copy on the
+ * target, when the process that sent it let it go (a stalled replica's copy that comes second was
+ * either written before its stall and held up on the way, or written when it woke).
+ */
+export class SentBytes {
+  private readonly chunks: Buffer[] = [];
+  private readonly times: { end: number; at: number }[] = [];
+  private length = 0;
+
+  constructor(proxy: FaultProxy) {
+    proxy.onClientData = (data) => {
+      this.chunks.push(data);
+      this.length += data.length;
+      this.times.push({ end: this.length, at: Date.now() });
+    };
+  }
+
+  /** When each message with `_HQ_DUPL_ID` `id` went by (Date.now()), in order; [] if none did. */
+  whenSent(id: string): number[] {
+    const all = Buffer.concat(this.chunks);
+    const needle = Buffer.from(id, 'utf8');
+    const found: number[] = [];
+    for (let at = all.indexOf(needle); at >= 0; at = all.indexOf(needle, at + 1)) {
+      // The ID is a long string in the headers (its length before it): "x-1" is not "x-12".
+      if (at < 4 || all.readUInt32BE(at - 4) !== needle.length) continue;
+      const end = at + needle.length;
+      found.push((this.times.find((chunk) => chunk.end >= end) as { at: number }).at);
+    }
+    return found;
+  }
+}
+
 /** `dedup-bridge run` through the proxies, with a short lease so a killed owner's claims run out fast. */
 export function startBridgeProcess(options: BridgeOptions): RunningCli {
   const urls = options.urls ?? options.world.bridgeUrls(options.volatileRedis);

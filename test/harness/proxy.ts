@@ -173,6 +173,8 @@ export class FaultProxy {
   deliveriesDelayed = 0;
   /** Bytes the clients sent towards the server so far (what a fault test reads to time a fault). */
   clientBytes = 0;
+  /** Told of every chunk a client sends, as it reaches the proxy (a test that must say when a copy left). */
+  onClientData: ((data: Buffer) => void) | undefined;
 
   constructor(
     private readonly targetHost: string,
@@ -257,7 +259,10 @@ export class FaultProxy {
           lateDeliveries.add(data, this.deliveryDelayMs);
           return;
         }
-        if (from === client) this.clientBytes += data.length;
+        if (from === client) {
+          this.clientBytes += data.length;
+          this.onClientData?.(data);
+        }
         let chunk = data;
         if (from === upstream && (this.swallowed.size > 0 || partial.length > 0)) {
           const kept = this.swallow(Buffer.concat([partial, chunk]));
