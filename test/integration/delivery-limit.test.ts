@@ -32,6 +32,8 @@ import {
 const MiB = 1024 * 1024;
 
 const exactly = (n: number) => ({ expected: n, received: n, lost: 0, duplicated: 0, unexpected: 0 });
+/** Messages in each early stop: enough that a stop that comes late under load still finds some left. */
+const EARLY_STOP_MESSAGES = 4000;
 
 /** A quorum queue on the source with a delivery limit, holding one message per ID. */
 async function quorumSource(limit: number, messageIds: string[], body = (i: number) => `m${i}`) {
@@ -313,10 +315,12 @@ describe('a quorum source with a delivery limit loses nothing', () => {
 
   // Found by the second review: a stop while a new, larger consumer was being started skipped the
   // wait, and that consumer's window came back counted (256, 300, 322 lost of 2,000 in 13 tries).
+  // 4,000 each: with 2,000 a loaded CI (02:24) saw a bridge take its SIGTERM 82 ms in only after the
+  // last window of 500 was on its way, so the stop found nothing left to leave in the source.
   it('run, SIGTERM while the consumer window still grows (8 times, 60-160 ms after forwarding starts), x-delivery-limit 0: nothing lost', async () => {
     const { sourceUrl, targetUrl } = servers();
     for (let attempt = 0; attempt < 8; attempt++) {
-      const all = numbered(`early-stop-${attempt}`, 2000).ids;
+      const all = numbered(`early-stop-${attempt}`, EARLY_STOP_MESSAGES).ids;
       const source = await quorumSource(0, all);
       const target = uniqueName('dst-early-stop');
       await declareQueue(targetUrl, target);
@@ -332,7 +336,7 @@ describe('a quorum source with a delivery limit loses nothing', () => {
       // The stop struck mid-transfer.
       expect(inSource.length).toBeGreaterThan(0);
       expect(countDelivery(`early stop ${attempt + 1}`, all, [...onTarget, ...inSource])).toEqual(
-        exactly(2000),
+        exactly(EARLY_STOP_MESSAGES),
       );
     }
   }, 240_000);
