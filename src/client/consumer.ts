@@ -79,6 +79,8 @@ export interface IdempotentConsumer {
 }
 
 const BUSY_RECHECK_MS = 250;
+/** How long the look-up after a commit whose reply was lost may take before the message is retried. */
+const LOOKUP_WAIT_MS = 2000;
 const MAX_RETRY_DELAY_MS = 30_000;
 /** Redis connections for commits: a WATCH belongs to a connection, so each commit holds one. */
 const COMMIT_CONNECTIONS = 4;
@@ -268,12 +270,21 @@ export async function createIdempotentConsumer(
     }
   };
 
-  /** Whether the ID is committed now (false when Redis cannot tell). */
-  const committedNow = (key: string): Promise<boolean> =>
-    cache.lookup([key]).then(
+  /**
+   * Whether the ID is committed now: false when Redis cannot tell within LOOKUP_WAIT_MS (the app's
+   * client may wait for Redis without end, and the message must not wait with it).
+   */
+  const committedNow = (key: string): Promise<boolean> => {
+    let timer: NodeJS.Timeout | undefined;
+    const gaveUp = new Promise<boolean>((resolve) => {
+      timer = setTimeout(() => resolve(false), LOOKUP_WAIT_MS);
+    });
+    const looked = cache.lookup([key]).then(
       ([record]) => record?.state === 'committed',
       () => false,
     );
+    return Promise.race([looked, gaveUp]).finally(() => clearTimeout(timer));
+  };
 
   /** Claims the ID, waiting while another consumer handles it; 'busy' only when stopping. */
   const untilNotBusy = async (key: string): Promise<ClaimState> => {
@@ -306,7 +317,7 @@ export async function createIdempotentConsumer(
         )
       : undefined;
     let outcome: 'committed' | 'lost';
-    let committing = false;
+    const commit: CommitProgress = { execSent: false };
     try {
       try {
         await handler(message, context);
@@ -317,18 +328,18 @@ export async function createIdempotentConsumer(
       }
       if (key) {
         lane ??= takeLane();
-        committing = true;
-        outcome = await commitWhileClaimed(lane, key, transaction ?? lane.redis.multi(), message);
+        outcome = await commitWhileClaimed(lane, key, transaction ?? lane.redis.multi(), message, commit);
       } else {
         if (lane && transaction) await exclusive(lane, () => execOrThrow(transaction as ChainableCommander));
         outcome = 'committed';
       }
     } catch (error) {
-      // A commit connection that closed before Redis answered the EXEC: Redis may have run it (a
-      // CLIENT KILL after the EXEC, before its reply was written). Our claim held at the WATCH, so
-      // the ID committed now is our commit: the effect landed, once, and the message is done (a
-      // retry would find the ID committed and count it a duplicate, never processed).
-      if (key && committing && (await committedNow(key))) {
+      // The commit connection closed after our EXEC left and before Redis answered it: Redis may
+      // have run it (a CLIENT KILL after the EXEC, before its reply was written). Our claim held at
+      // the WATCH, so the ID committed now is, but for a takeover within those milliseconds, our
+      // commit: the effect landed, once, and the message is done (a retry would find the ID
+      // committed and count it a duplicate, never processed).
+      if (key && commit.execSent && error instanceof CommitConnectionClosed && (await committedNow(key))) {
         counts.processed++;
         if (idKey) attempts.delete(idKey);
         ack(message);
@@ -371,6 +382,7 @@ export async function createIdempotentConsumer(
     key: string,
     transaction: ChainableCommander,
     message: ConsumeMessage,
+    progress: CommitProgress,
   ): Promise<'committed' | 'lost'> =>
     exclusive(lane, async () => {
       const replies = await lane.redis.pipeline().watch(key).get(key).exec();
@@ -387,6 +399,7 @@ export async function createIdempotentConsumer(
         await unwatch(lane, key);
         throw new Error('the commit script is not defined on the commit connection');
       }
+      progress.execSent = true;
       const results = await transaction.exec();
       if (results === null) return 'lost'; // the claim changed after the WATCH
       const failed = results.find(([error]) => error);
@@ -445,6 +458,19 @@ export async function createIdempotentConsumer(
     counts,
     stop: () => shutdown(true),
   };
+}
+
+/** How far a commit got: whether its EXEC was handed to the connection. */
+interface CommitProgress {
+  execSent: boolean;
+}
+
+/** The commit connection closed before Redis answered: whether the commit ran is unknown. */
+class CommitConnectionClosed extends Error {
+  constructor() {
+    super('the commit connection closed before Redis answered');
+    this.name = 'CommitConnectionClosed';
+  }
 }
 
 /** Connections like `redis` for commits, each with the cache's scripts defined on it. */
@@ -519,7 +545,7 @@ function exclusive<T>(lane: CommitLane, work: () => Promise<T>): Promise<T> {
  */
 function unlessClosed<T>(redis: RedisClient, work: Promise<T>): Promise<T> {
   return new Promise<T>((resolve, reject) => {
-    const onClose = () => reject(new Error('the commit connection closed before Redis answered'));
+    const onClose = () => reject(new CommitConnectionClosed());
     redis.once('close', onClose);
     work.then(
       (value) => {

@@ -717,6 +717,50 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     }
   });
 
+  it('a handler write that fails inside the commit is told to onError and not counted processed', async () => {
+    // Redis runs every command of a MULTI, so the ID's mark lands beside a write that failed
+    // (WRONGTYPE): the failure must be told, not hidden by the look-up that follows a lost reply.
+    const { targetUrl } = servers();
+    const queue = uniqueName('wrongtype');
+    await declareQueue(targetUrl, queue);
+    const scope = uniqueName('app');
+    const redis = await connectRedis(server.url, 10_000, createLogger('silent'));
+    const admin = new Redis(server.url);
+    const notAHash = `{${scope}}:not-a-hash`;
+    await admin.set(notAHash, 'a string');
+    const broker = await openBroker(targetUrl);
+    const errors: string[] = [];
+    let calls = 0;
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope,
+      retryDelayMs: 100,
+      handler: (_message, context) => {
+        calls++;
+        context.transaction().hincrby(notAHash, 'field', 1);
+      },
+      onError: (error) => errors.push((error as Error).message),
+    });
+    try {
+      await publishAll(targetUrl, queue, numbered('wrongtype', 1).messages);
+      expect(await waitFor(() => consumer.counts.duplicates >= 1, 20_000)).toBe(true);
+      expect(
+        errors.some((error) => error.includes('WRONGTYPE')),
+        JSON.stringify(errors),
+      ).toBe(true);
+      expect(consumer.counts).toMatchObject({ processed: 0, failures: 1, duplicates: 1 });
+      expect(calls).toBe(1);
+      expect(await depthOf(targetUrl, queue)).toBe(0);
+    } finally {
+      await consumer.stop();
+      await broker.close();
+      admin.disconnect();
+      closeRedis(redis);
+    }
+  });
+
   it('every connection killed mid-stream: it goes on, each effect lands once, and stop() returns', async () => {
     const { targetUrl } = servers();
     const queue = uniqueName('dropped');
