@@ -125,16 +125,18 @@ async function frozenClaims(redis: Redis, targetQueue: string): Promise<number> 
  * events: a stop there leaves every check of the bridge ahead of its writes) or in its own code,
  * where a stop may fall between a check and the write it allows.
  */
-async function stoppedIn(pid: number): Promise<string> {
+async function stoppedIn(pid: number): Promise<{ inOwnCode: boolean; text: string }> {
   await sleep(20);
+  let nr: string | undefined;
   try {
-    const nr = (await readFile(`/proc/${pid}/syscall`, 'utf8')).split(' ')[0]?.trim();
-    if (nr === '232' || nr === '281' || nr === '441') return 'idle, waiting in epoll';
-    if (nr === '-1') return 'in its own code';
-    return nr === 'running' ? 'not yet (still running)' : `in system call ${nr}`;
+    nr = (await readFile(`/proc/${pid}/syscall`, 'utf8')).split(' ')[0]?.trim();
   } catch {
-    return 'somewhere (no /proc)';
+    return { inOwnCode: false, text: 'somewhere (no /proc)' };
   }
+  if (nr === '232' || nr === '281' || nr === '441')
+    return { inOwnCode: false, text: 'idle, waiting in epoll' };
+  if (nr === '-1') return { inOwnCode: true, text: 'in its own code' };
+  return { inOwnCode: false, text: nr === 'running' ? 'not yet (still running)' : `in system call ${nr}` };
 }
 
 /**
@@ -680,8 +682,13 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
             const since = Date.now();
             if (stall === 'paused') stalled.signal('SIGSTOP');
             else links.setMode('blackhole');
-            const where = stall === 'paused' ? `, stopped ${await stoppedIn(stalled.pid)}` : '';
-            held = await frozenClaims(admin, targetQueue);
+            const stopped = stall === 'paused' ? await stoppedIn(stalled.pid) : undefined;
+            const where = stopped ? `, stopped ${stopped.text}` : '';
+            // A stop inside the replica's own code may fall in the microseconds between the write
+            // gate's check and the write it allows, which no process can close (docs/guarantee.md;
+            // write-gate.test.ts stalls there on purpose): let go at once and tried again, as is a
+            // stop that caught no claim. One between events, pending write cycles included, stays.
+            held = stopped?.inOwnCode ? 0 : await frozenClaims(admin, targetQueue);
             if (held > 0) {
               landings.push(landing);
               stallStarts.push(since);
@@ -691,14 +698,16 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
               await sleep(STALL_MS - (Date.now() - since));
             } else {
               process.stdout.write(
-                `landing: ${name} ${k + 1}: attempt ${attempt} caught no claim held; again\n`,
+                `landing: ${name} ${k + 1}: attempt ${attempt} ${stopped?.inOwnCode ? 'stopped the replica in its own code' : 'caught no claim held'}; again\n`,
               );
             }
             if (stall === 'paused') stalled.signal('SIGCONT');
             else links.setMode('pass');
             stalls.push({ from: since, to: Date.now() });
           }
-          expect(held, `${name} ${k + 1}: no stall caught the replica holding claims`).toBeGreaterThan(0);
+          expect(held, `${name} ${k + 1}: no stall caught the replica idle, holding claims`).toBeGreaterThan(
+            0,
+          );
         }
         done = await waitForTransfer(world, sourceQueue, targetQueue, STALL_MESSAGES, TRANSFER_TIMEOUT_MS);
       } finally {
