@@ -266,6 +266,16 @@ async function tlsProblemOf(
 }
 
 /**
+ * For a TLS URL that got no answer: a plain Redis port reads the TLS greeting as a command that
+ * never ends and says nothing, so the attempts time out as if nothing ran there.
+ */
+function tlsPortHint(topology: RedisTopology, reason: string): string {
+  const tls = topology.kind === 'standalone' ? topology.url.startsWith('rediss:') : topology.tls;
+  if (!tls || !/no answer|ETIMEDOUT|timed? ?out/i.test(reason)) return '';
+  return ', and that the port speaks TLS (a plain Redis port never answers the TLS greeting)';
+}
+
+/**
  * Connects to Redis and waits until it answers, retrying with backoff for up to `retryForMs`
  * (0: forever). Once connected, commands wait through later outages instead of failing
  * (`maxRetriesPerRequest: null`): the pipeline holds its messages unacked meanwhile.
@@ -345,7 +355,7 @@ export async function connectRedis(
               const reason = lastError ? redactSecrets(describe(lastError), secret) : 'no answer';
               reject(
                 new UnavailableError(
-                  `${where} is unreachable (${reason}) after retrying for ${Math.round((Date.now() - started) / 1000)}s; check that it runs and the host and port in the URL`,
+                  `${where} is unreachable (${reason}) after retrying for ${Math.round((Date.now() - started) / 1000)}s; check that it runs and the host and port in the URL${tlsPortHint(topology, reason)}`,
                 ),
               );
             }, retryForMs)

@@ -380,6 +380,12 @@ describe('TLS (amqps:// and rediss://)', () => {
     expect(onlyLine(redissAtPlain)).toMatch(
       new RegExp(`^dedup-bridge: Redis at rediss://127\\.0\\.0\\.1:${tls.redis.port}(: TLS| is unreachable)`),
     );
+    // Unanswered: the line names the likely cause, a port that does not speak TLS.
+    if (redissAtPlain.code === 1) {
+      expect(onlyLine(redissAtPlain)).toMatch(
+        /, and that the port speaks TLS \(a plain Redis port never answers the TLS greeting\)$/,
+      );
+    }
     expect(caOnPlainAmqp.code).toBe(2);
     expect(onlyLine(caOnPlainAmqp)).toBe(
       'dedup-bridge: --source-ca: needs --source to be amqps://, not amqp://; use amqps:// (with TLS options the bridge never connects plain)',
