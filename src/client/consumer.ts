@@ -79,11 +79,6 @@ export interface IdempotentConsumer {
 }
 
 const BUSY_RECHECK_MS = 250;
-/**
- * How long stop() lets messages in hand wait for Redis (a claim, a renewal, a release on the app's
- * client) before it gives those waits up and returns the messages to the queue.
- */
-const STOP_WAIT_MS = 5000;
 /** How long the look-up after a commit whose reply was lost may take before the message is retried. */
 const LOOKUP_WAIT_MS = 2000;
 const MAX_RETRY_DELAY_MS = 30_000;
@@ -163,15 +158,6 @@ export async function createIdempotentConsumer(
   let redisFailures = 0;
   let stopping = false;
   const wakers = new Set<() => void>();
-  // Resolves STOP_WAIT_MS after stop() began: then waits on the app's client (which waits for an
-  // absent Redis without end) give up, so that stop() returns and the messages go back.
-  let stopWaitOver: () => void = () => {};
-  const stopGaveUp = new Promise<void>((resolve) => {
-    stopWaitOver = resolve;
-  });
-  /** `work`, or `fallback` once a stop has waited STOP_WAIT_MS for Redis. */
-  const unlessStopped = <T>(work: Promise<T>, fallback: T): Promise<T> =>
-    Promise.race([work, stopGaveUp.then(() => fallback)]);
 
   /** Sleeps, or returns at once when the consumer stops. */
   const pause = (ms: number): Promise<void> =>
@@ -220,8 +206,7 @@ export async function createIdempotentConsumer(
   };
 
   const claim = async (key: string): Promise<ClaimState> => {
-    // A claim given up to a stop counts as busy: the message goes back to the queue unhandled.
-    const [state] = await unlessStopped(cache.claim([key]), ['busy' as ClaimState]);
+    const [state] = await cache.claim([key]);
     redisFailures = 0;
     return state as ClaimState;
   };
@@ -339,7 +324,7 @@ export async function createIdempotentConsumer(
       } finally {
         if (renew) clearInterval(renew);
         // A renewal landing after the WATCH below would abort the commit for nothing.
-        await unlessStopped(renewing, 0);
+        await renewing;
       }
       if (key) {
         lane ??= takeLane();
@@ -363,11 +348,7 @@ export async function createIdempotentConsumer(
       // The handler's MULTI is dropped unsent (ioredis sends it on exec only), or its EXEC failed.
       counts.failures++;
       report(error, message);
-      if (key)
-        await unlessStopped(
-          cache.release([key]).catch(() => 0),
-          0,
-        );
+      if (key) await cache.release([key]).catch(() => 0);
       await retryLater(message, nextAttempt(idKey));
       return;
     }
@@ -388,11 +369,7 @@ export async function createIdempotentConsumer(
     }
     // It gave up (released the claim, or its lease lapsed too): the claim we just got is not for
     // now; the message comes back after a backoff.
-    if (state !== 'busy')
-      await unlessStopped(
-        cache.release([key as string]).catch(() => 0),
-        0,
-      );
+    if (state !== 'busy') await cache.release([key as string]).catch(() => 0);
     await retryLater(message, nextAttempt(idKey));
   };
 
@@ -445,7 +422,6 @@ export async function createIdempotentConsumer(
   const shutdown = (cancel: boolean): Promise<void> => {
     closing ??= (async () => {
       stopping = true;
-      setTimeout(stopWaitOver, STOP_WAIT_MS).unref();
       for (const wake of [...wakers]) wake();
       if (cancel) {
         try {

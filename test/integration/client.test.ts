@@ -717,62 +717,6 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     }
   });
 
-  it('stop() while Redis is down returns; what it held goes back to the queue, and no effect is lost or doubled', async () => {
-    // The app's client waits for an absent Redis without end (maxRetriesPerRequest: null), and a
-    // stop used to wait with it for every message in hand, until Redis came back.
-    const aof = new RedisServer(runDir, 'consumer-redis-aof', true);
-    await aof.start();
-    const { targetUrl } = servers();
-    const queue = uniqueName('stop-redis-down');
-    await declareQueue(targetUrl, queue);
-    const redis = await connectRedis(aof.url, 10_000, createLogger('silent'));
-    const broker = await openBroker(targetUrl);
-    const effects = `effects:${uniqueName('app')}`;
-    const consumer = await createIdempotentConsumer({
-      channel: broker.channel,
-      queue,
-      redis,
-      scope: uniqueName('app'),
-      prefetch: 10,
-      retryDelayMs: 100,
-      handler: async (message, context) => {
-        context.transaction().hincrby(effects, String(message.properties.headers?._HQ_DUPL_ID), 1);
-        await sleep(20);
-      },
-    });
-    const { ids, messages } = numbered('stop-redis-down', 200);
-    try {
-      await publishAll(targetUrl, queue, messages);
-      expect(await waitFor(() => consumer.counts.processed >= 20, 20_000)).toBe(true);
-      // SIGTERM: Redis writes its append-only file and closes every connection.
-      await aof.stop();
-      const atDown = consumer.counts.processed;
-      const stopped = await Promise.race([consumer.stop().then(() => true), sleep(30_000).then(() => false)]);
-      expect(stopped, `stop() did not return with Redis down (${atDown} processed when it went)`).toBe(true);
-    } finally {
-      await aof.start();
-    }
-    try {
-      await broker.close();
-      const admin = new Redis(aof.url);
-      const landed = (await admin.hgetall(effects)) as Record<string, string>;
-      admin.disconnect();
-      const back = (await takeAll(targetUrl, queue)).map((message) =>
-        String(message.properties.headers?._HQ_DUPL_ID),
-      );
-      const doubled = Object.values(landed).filter((times) => Number(times) > 1).length;
-      const missing = ids.filter((id) => !(id in landed) && !back.includes(id)).length;
-      process.stdout.write(
-        `consumer stopped with Redis down: ${Object.keys(landed).length} effects landed, ${back.length} back in the queue, ${missing} missing, ${doubled} doubled\n`,
-      );
-      expect({ missing, doubled }).toEqual({ missing: 0, doubled: 0 });
-      expect(Object.keys(landed).length).toBeLessThan(ids.length);
-    } finally {
-      closeRedis(redis);
-      await aof.stop();
-    }
-  });
-
   it('a handler write that fails inside the commit is told to onError and not counted processed', async () => {
     // Redis runs every command of a MULTI, so the ID's mark lands beside a write that failed
     // (WRONGTYPE): the failure must be told, not hidden by the look-up that follows a lost reply.
