@@ -79,6 +79,13 @@ export interface IdempotentConsumer {
 }
 
 const BUSY_RECHECK_MS = 250;
+/**
+ * How long, once stop() began, a wait of a message in hand on Redis (its claim, renewal, commit or
+ * release) may last before it is given up and the message goes back to the queue.
+ */
+const STOP_WAIT_MS = 5000;
+/** How long a commit connection's QUIT may wait for Redis when the consumer stops. */
+const LANE_QUIT_WAIT_MS = 2000;
 /** How long the look-up after a commit whose reply was lost may take before the message is retried. */
 const LOOKUP_WAIT_MS = 2000;
 const MAX_RETRY_DELAY_MS = 30_000;
@@ -158,6 +165,44 @@ export async function createIdempotentConsumer(
   let redisFailures = 0;
   let stopping = false;
   const wakers = new Set<() => void>();
+  // Waits on Redis that a stop may give up (the app's client waits for an absent Redis without
+  // end, and a silent one holds the commit connections too): each is let go STOP_WAIT_MS after it
+  // began or the stop began, whichever is later, so that stop() returns. Each leaves the set when
+  // it settles: nothing is kept per message.
+  const giveUps = new Set<{ since: number; giveUp: () => void }>();
+  let stopBegan = 0;
+  /** `work`, or what `giveUp` gives once a stop has waited STOP_WAIT_MS for it. */
+  const unlessStopped = <T>(work: Promise<T>, giveUp: () => T): Promise<T> =>
+    new Promise<T>((resolve, reject) => {
+      const entry = {
+        since: performance.now(),
+        giveUp: () => {
+          giveUps.delete(entry);
+          try {
+            resolve(giveUp());
+          } catch (error) {
+            reject(error);
+          }
+        },
+      };
+      giveUps.add(entry);
+      work.then(
+        (value) => {
+          giveUps.delete(entry);
+          resolve(value);
+        },
+        (error: unknown) => {
+          giveUps.delete(entry);
+          reject(error);
+        },
+      );
+    });
+  const giveUpWaits = () => {
+    const now = performance.now();
+    for (const entry of [...giveUps]) {
+      if (now - Math.max(entry.since, stopBegan) >= STOP_WAIT_MS) entry.giveUp();
+    }
+  };
 
   /** Sleeps, or returns at once when the consumer stops. */
   const pause = (ms: number): Promise<void> =>
@@ -206,7 +251,8 @@ export async function createIdempotentConsumer(
   };
 
   const claim = async (key: string): Promise<ClaimState> => {
-    const [state] = await cache.claim([key]);
+    // A claim given up to a stop counts as busy: the message goes back to the queue unhandled.
+    const [state] = await unlessStopped(cache.claim([key]), () => ['busy' as ClaimState]);
     redisFailures = 0;
     return state as ClaimState;
   };
@@ -324,11 +370,18 @@ export async function createIdempotentConsumer(
       } finally {
         if (renew) clearInterval(renew);
         // A renewal landing after the WATCH below would abort the commit for nothing.
-        await renewing;
+        await unlessStopped(renewing, () => 0);
       }
       if (key) {
         lane ??= takeLane();
-        outcome = await commitWhileClaimed(lane, key, transaction ?? lane.redis.multi(), message, commit);
+        // Given up to a stop, the commit's outcome is unknown: the message goes back, and a copy
+        // finds the ID committed (acked as a duplicate) if the EXEC ran after all.
+        outcome = await unlessStopped(
+          commitWhileClaimed(lane, key, transaction ?? lane.redis.multi(), message, commit),
+          () => {
+            throw new Error('the commit had no answer from Redis when the consumer stopped');
+          },
+        );
       } else {
         if (lane && transaction) await exclusive(lane, () => execOrThrow(transaction as ChainableCommander));
         outcome = 'committed';
@@ -348,7 +401,11 @@ export async function createIdempotentConsumer(
       // The handler's MULTI is dropped unsent (ioredis sends it on exec only), or its EXEC failed.
       counts.failures++;
       report(error, message);
-      if (key) await cache.release([key]).catch(() => 0);
+      if (key)
+        await unlessStopped(
+          cache.release([key]).catch(() => 0),
+          () => 0,
+        );
       await retryLater(message, nextAttempt(idKey));
       return;
     }
@@ -369,7 +426,11 @@ export async function createIdempotentConsumer(
     }
     // It gave up (released the claim, or its lease lapsed too): the claim we just got is not for
     // now; the message comes back after a backoff.
-    if (state !== 'busy') await cache.release([key as string]).catch(() => 0);
+    if (state !== 'busy')
+      await unlessStopped(
+        cache.release([key as string]).catch(() => 0),
+        () => 0,
+      );
     await retryLater(message, nextAttempt(idKey));
   };
 
@@ -422,13 +483,19 @@ export async function createIdempotentConsumer(
   const shutdown = (cancel: boolean): Promise<void> => {
     closing ??= (async () => {
       stopping = true;
+      stopBegan = performance.now();
+      const giveUpTimer = setInterval(giveUpWaits, 250);
       for (const wake of [...wakers]) wake();
       if (cancel) {
         try {
           await channel.cancel(consumerTag);
         } catch {}
       }
-      while (running.size > 0) await Promise.allSettled([...running]);
+      try {
+        while (running.size > 0) await Promise.allSettled([...running]);
+      } finally {
+        clearInterval(giveUpTimer);
+      }
       await Promise.all(lanes.map((lane) => closeLane(lane)));
     })();
     return closing;
@@ -524,8 +591,17 @@ async function unwatch(lane: CommitLane, key: string): Promise<void> {
     .catch(() => {});
 }
 
+/** Closes a commit connection: by QUIT, or at once if Redis does not answer it (a stop must end). */
 async function closeLane(lane: CommitLane): Promise<void> {
-  await quitRedis(lane.redis);
+  let timer: NodeJS.Timeout | undefined;
+  await Promise.race([
+    quitRedis(lane.redis),
+    new Promise<void>((resolve) => {
+      timer = setTimeout(resolve, LANE_QUIT_WAIT_MS);
+    }),
+  ]);
+  clearTimeout(timer);
+  lane.redis.disconnect();
 }
 
 /** Runs `work` alone on the lane's connection (commits queue behind each other). */
