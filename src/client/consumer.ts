@@ -171,9 +171,17 @@ export async function createIdempotentConsumer(
   // it settles: nothing is kept per message.
   const giveUps = new Set<{ since: number; giveUp: () => void }>();
   let stopBegan = 0;
+  // Once one wait went unanswered that long, Redis is taken to be away for the rest of the stop:
+  // every wait, and every one after, is given up at once (copies of an ID, each waiting for the
+  // one before, would otherwise take 5 s each).
+  let redisAwayAtStop = false;
   /** `work`, or what `giveUp` gives once a stop has waited STOP_WAIT_MS for it. */
-  const unlessStopped = <T>(work: Promise<T>, giveUp: () => T): Promise<T> =>
-    new Promise<T>((resolve, reject) => {
+  const unlessStopped = <T>(work: Promise<T>, giveUp: () => T): Promise<T> => {
+    if (redisAwayAtStop) {
+      work.catch(() => {});
+      return Promise.resolve().then(giveUp);
+    }
+    return new Promise<T>((resolve, reject) => {
       const entry = {
         since: performance.now(),
         giveUp: () => {
@@ -197,11 +205,13 @@ export async function createIdempotentConsumer(
         },
       );
     });
+  };
   const giveUpWaits = () => {
     const now = performance.now();
-    for (const entry of [...giveUps]) {
-      if (now - Math.max(entry.since, stopBegan) >= STOP_WAIT_MS) entry.giveUp();
-    }
+    const away = [...giveUps].some((entry) => now - Math.max(entry.since, stopBegan) >= STOP_WAIT_MS);
+    if (!away) return;
+    redisAwayAtStop = true;
+    for (const entry of [...giveUps]) entry.giveUp();
   };
 
   /** Sleeps, or returns at once when the consumer stops. */
@@ -383,7 +393,14 @@ export async function createIdempotentConsumer(
           },
         );
       } else {
-        if (lane && transaction) await exclusive(lane, () => execOrThrow(transaction as ChainableCommander));
+        if (lane && transaction) {
+          await unlessStopped(
+            exclusive(lane, () => execOrThrow(transaction as ChainableCommander)),
+            () => {
+              throw new Error('the transaction had no answer from Redis when the consumer stopped');
+            },
+          );
+        }
         outcome = 'committed';
       }
     } catch (error) {
