@@ -279,8 +279,14 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
   }
 
   interface Fault {
-    /** Runs the fault; calls `landed` as each part of it starts (a reset, then a blackhole …). */
-    run(landed: (what: string) => Promise<void>): Promise<void>;
+    /**
+     * Runs the fault; calls `landed` as each part of it starts (a reset, then a blackhole …);
+     * `bridgeSaw` waits (up to its timeout) until the bridge has logged the fault (see `seen`).
+     */
+    run(
+      landed: (what: string) => Promise<void>,
+      bridgeSaw: (timeoutMs: number) => Promise<boolean>,
+    ): Promise<void>;
     /** The log line that shows the bridge noticed the fault. */
     seen(line: LogLine): boolean;
   }
@@ -305,9 +311,14 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
     try {
       await untilTrigger(targetQueue);
       since = Date.now();
+      const bridgeSaw = (timeoutMs: number) =>
+        waitFor(
+          () => logLines(bridge.output()).some((line) => line.time >= since && fault.seen(line)),
+          timeoutMs,
+        );
       await fault.run(async (what) => {
         landings.push(await land(targetQueue, `${name}: ${what}`));
-      });
+      }, bridgeSaw);
       done = await waitForTransfer(world, sourceQueue, targetQueue, MESSAGES, TRANSFER_TIMEOUT_MS);
     } finally {
       bridge.signal('SIGTERM');
@@ -761,13 +772,16 @@ describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, 
 
   it(`a memory alarm on the target for ${OUTAGE_MS / 1000}s`, async () => {
     const result = await bridgeScenario('memory-alarm', {
-      run: async (landed) => {
+      run: async (landed, bridgeSaw) => {
         await landed('memory alarm set');
         await world.target.ctl('set_vm_memory_high_watermark', '0.000001');
         // The broker raises the alarm at its memory monitor's next check, which a loaded machine
         // delays: the outage counts from the alarm, not from the command (CI of 18:08 saw none).
         const alarms = () => world.target.ctl('eval', 'rabbit_alarm:get_alarms().');
         expect(await waitFor(async () => (await alarms()).includes('memory'), 30_000, 250)).toBe(true);
+        // And from when the bridge is blocked: the broker blocks a connection at its next publish,
+        // which a loaded machine delays too (the CI of 03:42 saw the alarm come and go unseen).
+        expect(await bridgeSaw(30_000), 'the bridge was never blocked while the alarm was up').toBe(true);
         await sleep(OUTAGE_MS);
         await world.target.ctl('set_vm_memory_high_watermark', '0.4');
       },
