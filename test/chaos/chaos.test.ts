@@ -139,6 +139,16 @@ async function stoppedIn(pid: number): Promise<{ inOwnCode: boolean; text: strin
   return { inOwnCode: false, text: nr === 'running' ? 'not yet (still running)' : `in system call ${nr}` };
 }
 
+/** Times as seconds from the first stall's start, and the stalls written so. */
+function stallClock(stalls: { from: number; to: number }[]): {
+  at: (time: number) => string;
+  windows: string;
+} {
+  const origin = stalls[0]?.from ?? 0;
+  const at = (time: number) => ((time - origin) / 1000).toFixed(2);
+  return { at, windows: stalls.map((stall) => `${at(stall.from)}–${at(stall.to)}`).join(', ') };
+}
+
 /**
  * For each copy that came second unflagged: where it and its ID's first copy stand in the queue,
  * and when each replica sent the ID, in seconds from the first stall's start (the stalls, too).
@@ -149,8 +159,7 @@ function whereLate(
   stalled: SentBytes,
   steady: SentBytes,
 ): string {
-  const origin = stalls[0]?.from ?? 0;
-  const at = (time: number) => ((time - origin) / 1000).toFixed(2);
+  const { at, windows } = stallClock(stalls);
   const firstAt = new Map<string, number>();
   const lines: string[] = [];
   copies.forEach((copy, index) => {
@@ -164,7 +173,6 @@ function whereLate(
       `${copy.id} at ${index} (first at ${first}, ${copies[first]?.inDoubt ? 'flagged' : 'unflagged'}): stalled sent at [${stalled.whenSent(copy.id).map(at)}] s, steady at [${steady.whenSent(copy.id).map(at)}] s`,
     );
   });
-  const windows = stalls.map((stall) => `${at(stall.from)}–${at(stall.to)}`).join(', ');
   return `stalls ${windows} s; ${lines.join('; ')}`;
 }
 
@@ -179,15 +187,13 @@ function sentTwice(
   stalled: SentBytes,
   steady: SentBytes,
 ): string {
-  const origin = stalls[0]?.from ?? 0;
+  const { at, windows } = stallClock(stalls);
   const counts = new Map<string, number>();
   for (const copy of copies) counts.set(copy.id, (counts.get(copy.id) ?? 0) + 1);
   const twice = [...counts].filter(([, count]) => count > 1).map(([id]) => id);
   const span = (times: number[]) =>
-    times.length === 0
-      ? 'none'
-      : `${((Math.min(...times) - origin) / 1000).toFixed(2)}–${((Math.max(...times) - origin) / 1000).toFixed(2)} s`;
-  return `${twice.length} IDs came twice: the stalled replica sent them at ${span(twice.flatMap((id) => stalled.whenSent(id)))}, the steady one at ${span(twice.flatMap((id) => steady.whenSent(id)))} (stalls ${stalls.map((stall) => `${((stall.from - origin) / 1000).toFixed(2)}–${((stall.to - origin) / 1000).toFixed(2)}`).join(', ')} s)`;
+    times.length === 0 ? 'none' : `${at(Math.min(...times))}–${at(Math.max(...times))} s`;
+  return `${twice.length} IDs came twice: the stalled replica sent them at ${span(twice.flatMap((id) => stalled.whenSent(id)))}, the steady one at ${span(twice.flatMap((id) => steady.whenSent(id)))} (stalls ${windows} s)`;
 }
 
 describe(`chaos (${FULL ? 'full' : 'short'}): once and only once under faults`, {

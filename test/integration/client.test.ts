@@ -717,31 +717,63 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     }
   });
 
+  /**
+   * A consumer on a Redis of its own (with its append-only file, so that it may be stopped and
+   * started again) whose handler counts its effect per ID (the body for a message without one)
+   * in the transaction, and takes `handlerMs`.
+   */
+  async function consumerOnItsOwnRedis(
+    label: string,
+    queueName: string,
+    options: { prefetch: number; handlerMs: number },
+  ) {
+    const aof = new RedisServer(runDir, label, true);
+    await aof.start();
+    const { targetUrl } = servers();
+    const queue = uniqueName(queueName);
+    await declareQueue(targetUrl, queue);
+    const redis = await connectRedis(aof.url, 10_000, createLogger('silent'));
+    const broker = await openBroker(targetUrl);
+    const effects = `effects:${uniqueName('app')}`;
+    const consumer = await createIdempotentConsumer({
+      channel: broker.channel,
+      queue,
+      redis,
+      scope: uniqueName('app'),
+      prefetch: options.prefetch,
+      retryDelayMs: 100,
+      handler: async (message, context) => {
+        const id = message.properties.headers?._HQ_DUPL_ID ?? message.content.toString();
+        context.transaction().hincrby(effects, String(id), 1);
+        await sleep(options.handlerMs);
+      },
+    });
+    return { aof, targetUrl, queue, redis, broker, effects, consumer };
+  }
+
+  /** The effects that landed, per ID, and the IDs (bodies without one) back in the queue. */
+  async function landedAndBack(redisUrl: string, effects: string, targetUrl: string, queue: string) {
+    // What was queued on the connections while Redis was frozen runs now.
+    await sleep(500);
+    const admin = new Redis(redisUrl);
+    const landed = (await admin.hgetall(effects)) as Record<string, string>;
+    admin.disconnect();
+    const back = (await takeAll(targetUrl, queue)).map((message) =>
+      String(message.properties.headers?._HQ_DUPL_ID ?? message.content.toString()),
+    );
+    return { landed, back };
+  }
+
   // The app's client waits for an absent Redis without end (maxRetriesPerRequest: null), and a stop
   // used to wait with it for every message in hand, until Redis came back; a Redis that holds its
   // connections without answering held the commit connections too.
   for (const away of ['stopped (SIGTERM)', 'frozen (SIGSTOP)'] as const) {
     it(`stop() while Redis is ${away} returns; what it held goes back to the queue, no effect lost or doubled`, async () => {
-      const aof = new RedisServer(runDir, `consumer-redis-aof-${away.split(' ')[0]}`, true);
-      await aof.start();
-      const { targetUrl } = servers();
-      const queue = uniqueName('stop-redis-away');
-      await declareQueue(targetUrl, queue);
-      const redis = await connectRedis(aof.url, 10_000, createLogger('silent'));
-      const broker = await openBroker(targetUrl);
-      const effects = `effects:${uniqueName('app')}`;
-      const consumer = await createIdempotentConsumer({
-        channel: broker.channel,
-        queue,
-        redis,
-        scope: uniqueName('app'),
-        prefetch: 10,
-        retryDelayMs: 100,
-        handler: async (message, context) => {
-          context.transaction().hincrby(effects, String(message.properties.headers?._HQ_DUPL_ID), 1);
-          await sleep(20);
-        },
-      });
+      const { aof, targetUrl, queue, redis, broker, effects, consumer } = await consumerOnItsOwnRedis(
+        `consumer-redis-aof-${away.split(' ')[0]}`,
+        'stop-redis-away',
+        { prefetch: 10, handlerMs: 20 },
+      );
       const { ids, messages } = numbered('stop-redis-away', 200);
       const frozen = away.startsWith('frozen');
       try {
@@ -763,14 +795,7 @@ describe('the idempotent consumer when Redis drops its connections', () => {
       }
       try {
         await broker.close();
-        // What was queued on the connections while Redis was frozen runs now.
-        await sleep(500);
-        const admin = new Redis(aof.url);
-        const landed = (await admin.hgetall(effects)) as Record<string, string>;
-        admin.disconnect();
-        const back = (await takeAll(targetUrl, queue)).map((message) =>
-          String(message.properties.headers?._HQ_DUPL_ID),
-        );
+        const { landed, back } = await landedAndBack(aof.url, effects, targetUrl, queue);
         const doubled = Object.values(landed).filter((times) => Number(times) > 1).length;
         const missing = ids.filter((id) => !(id in landed) && !back.includes(id)).length;
         process.stdout.write(
@@ -789,27 +814,11 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     // Copies of an ID wait for each other, and a message without an ID commits its transaction
     // alone: neither may hold the stop once Redis is seen not to answer (a review of ead0ff0 found
     // both holding it, the copies for 5 s each).
-    const aof = new RedisServer(runDir, 'consumer-redis-aof-copies', true);
-    await aof.start();
-    const { targetUrl } = servers();
-    const queue = uniqueName('stop-frozen-copies');
-    await declareQueue(targetUrl, queue);
-    const redis = await connectRedis(aof.url, 10_000, createLogger('silent'));
-    const broker = await openBroker(targetUrl);
-    const effects = `effects:${uniqueName('app')}`;
-    const consumer = await createIdempotentConsumer({
-      channel: broker.channel,
-      queue,
-      redis,
-      scope: uniqueName('app'),
-      prefetch: 20,
-      retryDelayMs: 100,
-      handler: async (message, context) => {
-        const id = message.properties.headers?._HQ_DUPL_ID ?? message.content.toString();
-        context.transaction().hincrby(effects, String(id), 1);
-        await sleep(100);
-      },
-    });
+    const { aof, targetUrl, queue, redis, broker, effects, consumer } = await consumerOnItsOwnRedis(
+      'consumer-redis-aof-copies',
+      'stop-frozen-copies',
+      { prefetch: 20, handlerMs: 100 },
+    );
     // 30 IDs with 6 copies each, and 60 messages without an ID, interleaved.
     const messages = Array.from({ length: 240 }, (_, i) =>
       i % 4 === 3
@@ -827,13 +836,7 @@ describe('the idempotent consumer when Redis drops its connections', () => {
     }
     try {
       await broker.close();
-      await sleep(500);
-      const admin = new Redis(aof.url);
-      const landed = (await admin.hgetall(effects)) as Record<string, string>;
-      admin.disconnect();
-      const back = (await takeAll(targetUrl, queue)).map((message) =>
-        String(message.properties.headers?._HQ_DUPL_ID ?? message.content.toString()),
-      );
+      const { landed, back } = await landedAndBack(aof.url, effects, targetUrl, queue);
       const wanted = [...new Set(messages.map((m) => String(m.options?.headers._HQ_DUPL_ID ?? m.body)))];
       const missing = wanted.filter((id) => !(id in landed) && !back.includes(id)).length;
       const doubled = Object.entries(landed).filter(
