@@ -20,11 +20,7 @@ const require = createRequire(import.meta.url);
 const amqplibDir = dirname(require.resolve('amqplib'));
 
 interface FrameModule {
-  parseFrame(
-    rest: Buffer,
-    max: number,
-  ): { type: number; channel: number; payload: Buffer; rest: Buffer } | false;
-  decodeFrame(frame: unknown): unknown;
+  decodeFrame(frame: { type: number; channel: number; size: number; payload: Buffer }): unknown;
 }
 
 interface ChannelRecord {
@@ -93,8 +89,8 @@ let frameModule: FrameModule | undefined;
 function frames(): FrameModule {
   if (!frameModule) {
     const loaded = require(join(amqplibDir, 'lib', 'frame.js')) as Partial<FrameModule>;
-    if (typeof loaded.parseFrame !== 'function' || typeof loaded.decodeFrame !== 'function') {
-      throw new AmqplibInternalsError('lib/frame.js has no parseFrame/decodeFrame');
+    if (typeof loaded.decodeFrame !== 'function') {
+      throw new AmqplibInternalsError('lib/frame.js has no decodeFrame');
     }
     frameModule = loaded as FrameModule;
   }
@@ -162,38 +158,136 @@ function readLosslessly(connection: Connection, lazy: boolean): void {
   const marked = connection as Connection & { [LOSSLESS]?: true };
   if (marked[LOSSLESS]) return;
   marked[LOSSLESS] = true;
-  const { parseFrame, decodeFrame } = frames();
+  const { decodeFrame } = frames();
+  // Frames are read at an offset into the socket's data (amqplib's `rest`), not by cutting a view
+  // of what is left after each one: two views and an object less per frame, three per message.
+  let at = 0;
+  const deliveries = new DeliveryDecoder();
   connection.recvFrame = function recvFrame(this: Connection) {
     for (;;) {
-      const frame = parseFrame(this.rest, this.maxFrameSize);
-      if (!frame) {
+      const data = this.rest;
+      const available = data.length - at;
+      const size = available >= 7 ? data.readUInt32BE(at + 3) : -1;
+      if (size >= 0 && this.maxFrameSize > 0 && size > this.maxFrameSize) {
+        throw new Error(`Frame size ${size} exceeds maxFrameSize ${this.maxFrameSize}`);
+      }
+      if (size < 0 || available < size + FRAME_OVERHEAD) {
         const incoming = this.stream.read();
         if (incoming === null) return false;
         this.recvSinceLastCheck = true;
-        this.rest = this.rest.length === 0 ? incoming : Buffer.concat([this.rest, incoming]);
+        this.rest = available === 0 ? incoming : Buffer.concat([data.subarray(at), incoming]);
+        at = 0;
         continue;
       }
-      this.rest = frame.rest;
-      const payload = frame.payload;
-      if (frame.type === FRAME_HEADER && payload.length >= 14 && payload.readUInt16BE(0) === BASIC_CLASS) {
+      const type = data[at] as number;
+      const channel = data.readUInt16BE(at + 1);
+      const start = at + 7;
+      const end = start + size;
+      if (data[end] !== FRAME_END) throw new Error('Invalid frame');
+      at = end + 1;
+      if (type === FRAME_HEADER && size >= 14 && data.readUInt16BE(start) === BASIC_CLASS) {
+        // A copy: the payload is a part of the whole socket read.
+        const header = Buffer.allocUnsafe(size - 12);
+        data.copy(header, 0, start + 12, end);
         return {
           id: BASIC_CLASS,
-          channel: frame.channel,
-          size: Number(payload.readBigUInt64BE(4)),
-          // A copy: the payload is a view of the whole socket read.
-          fields: propertiesFor(Buffer.from(payload.subarray(12)), lazy),
+          channel,
+          // The body size as two 32-bit halves (no BigInt per message).
+          size: data.readUInt32BE(start + 4) * 0x1_0000_0000 + data.readUInt32BE(start + 8),
+          fields: propertiesFor(header, lazy),
         };
       }
-      if (frame.type === FRAME_BODY && payload.length * 4 < payload.buffer.byteLength) {
-        // A body is a view of the socket read it came in, which holds many messages: kept as a
+      if (type === FRAME_BODY) {
+        // A body is a part of the socket read it came in, which holds many messages: kept as a
         // view, one message in flight would keep the whole read alive (tens of MB at prefetch 500).
-        return { channel: frame.channel, content: Buffer.from(payload) };
+        if (size * 4 < data.buffer.byteLength) {
+          const content = Buffer.allocUnsafe(size);
+          data.copy(content, 0, start, end);
+          return { channel, content };
+        }
+        return { channel, content: data.subarray(start, end) };
       }
-      const decoded = decodeFrame(frame);
-      if (frame.type === FRAME_METHOD) keepRoutingBytes(decoded as { id?: number; fields?: object }, payload);
+      if (type === FRAME_METHOD && size >= 4 && data.readUInt32BE(start) === BASIC_DELIVER) {
+        const fields = deliveries.decode(data, start + 4, end);
+        if (fields) return { id: BASIC_DELIVER, channel, fields };
+      }
+      const payload = data.subarray(start, end);
+      const decoded = decodeFrame({ type, channel, size, payload });
+      if (type === FRAME_METHOD) keepRoutingBytes(decoded as { id?: number; fields?: object }, payload);
       return decoded;
     }
   };
+}
+
+/**
+ * Decodes basic.deliver as amqplib does, with the raw exchange and routing key kept (see
+ * routingBytesOf). A queue's deliveries mostly share their consumer tag, exchange and routing key:
+ * the last ones' text and bytes are reused when the bytes match, not made again per message.
+ */
+class DeliveryDecoder {
+  private tag = new LastShortString();
+  private exchange = new LastShortString();
+  private routingKey = new LastShortString();
+  private routing: RoutingBytes | undefined;
+
+  /** The deliver's fields, or undefined when the payload is short (amqplib's decoder then says why). */
+  decode(data: Buffer, start: number, end: number): object | undefined {
+    let p = start;
+    if (!fits(data, p, end)) return undefined;
+    p = this.tag.read(data, p);
+    if (p + 9 > end) return undefined;
+    const deliveryTag = data.readUInt32BE(p) * 0x1_0000_0000 + data.readUInt32BE(p + 4);
+    const redelivered = ((data[p + 8] as number) & 1) === 1;
+    p += 9;
+    if (!fits(data, p, end)) return undefined;
+    const exchangeChanged = this.exchange.differs(data, p);
+    p = this.exchange.read(data, p);
+    if (!fits(data, p, end)) return undefined;
+    const keyChanged = this.routingKey.differs(data, p);
+    p = this.routingKey.read(data, p);
+    if (exchangeChanged || keyChanged || this.routing === undefined) {
+      this.routing = { exchange: this.exchange.bytes, routingKey: this.routingKey.bytes };
+    }
+    const fields = {
+      consumerTag: this.tag.text,
+      deliveryTag,
+      redelivered,
+      exchange: this.exchange.text,
+      routingKey: this.routingKey.text,
+    };
+    Object.defineProperty(fields, ROUTING_BYTES, { value: this.routing, enumerable: false });
+    return fields;
+  }
+}
+
+/** Whether a short string at `at` (its length octet) ends by `end`. */
+function fits(data: Buffer, at: number, end: number): boolean {
+  return at < end && at + 1 + (data[at] as number) <= end;
+}
+
+/** A short string read from frames, with its text and bytes kept while the next ones match. */
+class LastShortString {
+  text = '';
+  bytes: Buffer = NO_BYTES;
+
+  /** Whether the short string at `at` (its length octet) is not the one kept. */
+  differs(data: Buffer, at: number): boolean {
+    const length = data[at] as number;
+    return length !== this.bytes.length || data.compare(this.bytes, 0, length, at + 1, at + 1 + length) !== 0;
+  }
+
+  /** Keeps the short string at `at` (reusing the kept one when it matches); returns where it ends. */
+  read(data: Buffer, at: number): number {
+    const length = data[at] as number;
+    if (this.differs(data, at)) {
+      // Copied: a view would keep the whole socket read alive.
+      const bytes = length === 0 ? NO_BYTES : Buffer.allocUnsafe(length);
+      data.copy(bytes, 0, at + 1, at + 1 + length);
+      this.bytes = bytes;
+      this.text = bytes.toString('utf8');
+    }
+    return at + 1 + length;
+  }
 }
 
 const BASIC_DELIVER = (BASIC_CLASS << 16) | 60;
