@@ -2,7 +2,7 @@ import { isUtf8 } from 'node:buffer';
 import { createHash } from 'node:crypto';
 import type { IdStrategy } from '../config/id-from.js';
 import { DUPLICATE_ID_HEADER } from '../headers.js';
-import { encodeValue, type FieldValue } from '../wire/fields.js';
+import { encodeValue, type FieldSpan, type FieldValue } from '../wire/fields.js';
 import type { ContentHeader } from '../wire/properties.js';
 
 /** IDs longer than this many bytes are keyed by their SHA-256, so keys stay small. */
@@ -56,10 +56,9 @@ export function deriveId(message: IdSource, strategies: readonly IdStrategy[]): 
     if (strategy.kind === 'header') {
       const span = header.field(strategy.name);
       if (span === undefined) continue;
-      const value = header.valueOf(span);
-      const key = keyOfField(value);
+      const key = keyOfSpan(header, span);
       if (key === undefined) {
-        rejected.push(`header:${strategy.name} (${typeName(value)})`);
+        rejected.push(`header:${strategy.name} (${typeName(header.valueOf(span))})`);
         continue;
       }
       return {
@@ -131,6 +130,24 @@ export function keyOfField(value: FieldValue): string | undefined {
     default:
       return undefined;
   }
+}
+
+const TAG_LONG_STRING = 0x53; // 'S'
+const TAG_BYTES = 0x78; // 'x'
+
+/**
+ * The key of a header field, as keyOfField gives it. A long string or byte array, what IDs mostly
+ * are, is keyed from the header's own bytes, without a typed value and a copy of them.
+ */
+function keyOfSpan(header: ContentHeader, span: FieldSpan): string | undefined {
+  const bytes = header.bytes;
+  const tag = bytes[span.valueAt];
+  if (tag === TAG_LONG_STRING || tag === TAG_BYTES) {
+    // The span was checked when the table was indexed: its value's length ends it.
+    const start = span.valueAt + 5;
+    return span.end > start ? keyOfBytes(bytes.subarray(start, span.end)) : undefined;
+  }
+  return keyOfField(header.valueOf(span));
 }
 
 /**
