@@ -45,8 +45,16 @@ function flagOf(index: number): number {
 }
 
 const PROPERTY_KINDS = BASIC_PROPERTIES.map(([, kind]) => kind);
-// Every property absent: a header's spans start as a copy of this (one array of its final size).
-const NO_SPANS: readonly number[] = PROPERTY_KINDS.flatMap(() => [-1, -1]);
+/** How many properties before the one at `index` are present (their flags are the higher bits). */
+function presentBefore(flags: number, index: number): number {
+  let before = flags & (0xffff0000 >>> index) & 0xffff;
+  let count = 0;
+  while (before !== 0) {
+    before &= before - 1;
+    count++;
+  }
+  return count;
+}
 
 /** Where a message's raw content header lives on its amqplib properties object. */
 export const RAW_HEADER = Symbol.for('dedup-bridge.content-header');
@@ -57,10 +65,11 @@ export class ContentHeaderError extends Error {}
 export class ContentHeader {
   readonly flags: number;
   /**
-   * Per property (wire order): its bytes [start, end) in `bytes`, at 2 × index and the next; -1
-   * when absent. Flat numbers: a delivery's header is read on the hot path, with no pair per field.
+   * Where each present property ends in `bytes`, in wire order: properties lie back to back from
+   * offset 2, so the k-th present one starts where the one before it ends. One small array per
+   * delivery, sized by what is present (most headers carry two or three properties).
    */
-  private readonly spans = NO_SPANS.slice();
+  private readonly ends: number[] = [];
   /** The header table's top-level fields (undefined when there is no table, or it is unreadable). */
   readonly fields: FieldSpan[] | undefined;
   /** Why the header table cannot be read (nested too deep, an unknown type), if it cannot. */
@@ -76,7 +85,6 @@ export class ContentHeader {
     let p = 2;
     for (let index = 0; index < PROPERTY_KINDS.length; index++) {
       if (!(this.flags & flagOf(index))) continue;
-      const start = p;
       const kind = PROPERTY_KINDS[index];
       if (kind === 'shortstr') p += 1 + (bytes[p] ?? 0);
       else if (kind === 'octet') p += 1;
@@ -84,8 +92,7 @@ export class ContentHeader {
       else p += 4 + (p + 4 <= bytes.length ? bytes.readUInt32BE(p) : 0);
       if (p > bytes.length)
         throw new ContentHeaderError(`content header truncated in its ${BASIC_PROPERTIES[index]?.[0]}`);
-      this.spans[2 * index] = start;
-      this.spans[2 * index + 1] = p;
+      this.ends.push(p);
     }
     const tableStart = this.startOf(HEADERS);
     if (tableStart >= 0) {
@@ -109,13 +116,16 @@ export class ContentHeader {
     return this.startOf(indexOf(property)) >= 0;
   }
 
-  /** Where a property's bytes start (-1: absent), and where they end. */
+  /** Where a property's bytes start (-1: absent, or no property of that index), and where they end. */
   private startOf(index: number): number {
-    return this.spans[2 * index] as number;
+    if (index >= PROPERTY_KINDS.length || !(this.flags & flagOf(index))) return -1;
+    const rank = presentBefore(this.flags, index);
+    return rank === 0 ? 2 : (this.ends[rank - 1] as number);
   }
 
+  /** Only for a present property (startOf(index) >= 0). */
   private endOf(index: number): number {
-    return this.spans[2 * index + 1] as number;
+    return this.ends[presentBefore(this.flags, index)] as number;
   }
 
   /** The raw bytes of a shortstr property (without its length), or undefined when absent. */
