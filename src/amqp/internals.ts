@@ -232,19 +232,19 @@ class DeliveryDecoder {
 
   /** The deliver's fields, or undefined when the payload is short (amqplib's decoder then says why). */
   decode(data: Buffer, start: number, end: number): object | undefined {
-    let p = start;
-    if (!fits(data, p, end)) return undefined;
-    p = this.tag.read(data, p);
-    if (p + 9 > end) return undefined;
-    const deliveryTag = data.readUInt32BE(p) * 0x1_0000_0000 + data.readUInt32BE(p + 4);
-    const redelivered = ((data[p + 8] as number) & 1) === 1;
-    p += 9;
-    if (!fits(data, p, end)) return undefined;
-    const exchangeChanged = this.exchange.differs(data, p);
-    p = this.exchange.read(data, p);
-    if (!fits(data, p, end)) return undefined;
-    const keyChanged = this.routingKey.differs(data, p);
-    p = this.routingKey.read(data, p);
+    // Every part is found to fit before any is kept: a short frame must leave what is kept as it was.
+    const tagAt = start;
+    if (!fits(data, tagAt, end)) return undefined;
+    const numberAt = tagAt + 1 + (data[tagAt] as number);
+    const exchangeAt = numberAt + 9;
+    if (!fits(data, exchangeAt, end)) return undefined;
+    const keyAt = exchangeAt + 1 + (data[exchangeAt] as number);
+    if (!fits(data, keyAt, end)) return undefined;
+    this.tag.read(data, tagAt);
+    const deliveryTag = data.readUInt32BE(numberAt) * 0x1_0000_0000 + data.readUInt32BE(numberAt + 4);
+    const redelivered = ((data[numberAt + 8] as number) & 1) === 1;
+    const exchangeChanged = this.exchange.read(data, exchangeAt);
+    const keyChanged = this.routingKey.read(data, keyAt);
     if (exchangeChanged || keyChanged || this.routing === undefined) {
       this.routing = { exchange: this.exchange.bytes, routingKey: this.routingKey.bytes };
     }
@@ -270,23 +270,17 @@ class LastShortString {
   text = '';
   bytes: Buffer = NO_BYTES;
 
-  /** Whether the short string at `at` (its length octet) is not the one kept. */
-  differs(data: Buffer, at: number): boolean {
+  /** Keeps the short string at `at` (its length octet); false when it is the one already kept. */
+  read(data: Buffer, at: number): boolean {
     const length = data[at] as number;
-    return length !== this.bytes.length || data.compare(this.bytes, 0, length, at + 1, at + 1 + length) !== 0;
-  }
-
-  /** Keeps the short string at `at` (reusing the kept one when it matches); returns where it ends. */
-  read(data: Buffer, at: number): number {
-    const length = data[at] as number;
-    if (this.differs(data, at)) {
-      // Copied: a view would keep the whole socket read alive.
-      const bytes = length === 0 ? NO_BYTES : Buffer.allocUnsafe(length);
-      data.copy(bytes, 0, at + 1, at + 1 + length);
-      this.bytes = bytes;
-      this.text = bytes.toString('utf8');
-    }
-    return at + 1 + length;
+    const kept = this.bytes;
+    if (length === kept.length && data.compare(kept, 0, length, at + 1, at + 1 + length) === 0) return false;
+    // Copied: a view would keep the whole socket read alive.
+    const bytes = length === 0 ? NO_BYTES : Buffer.allocUnsafe(length);
+    data.copy(bytes, 0, at + 1, at + 1 + length);
+    this.bytes = bytes;
+    this.text = bytes.toString('utf8');
+    return true;
   }
 }
 

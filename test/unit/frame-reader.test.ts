@@ -239,6 +239,21 @@ describe('the frame reader', () => {
     expect(() => readAll(readerOver([broken]))).toThrow('Invalid frame');
   });
 
+  it('keeps nothing of a deliver whose routing key runs past its frame: the next delivery has its own exchange', () => {
+    const good = (exchange: string) => deliver('t', 1n, false, Buffer.from(exchange), Buffer.from('key'));
+    // exB with a key whose length octet says 3 and 2 bytes follow: amqplib decodes it, cut short.
+    const cut = deliver('t', 2n, false, Buffer.from('exB'), Buffer.from('key'));
+    const payloadEnd = cut.length - 1;
+    const short = frame(1, CHANNEL, cut.subarray(7, payloadEnd - 1));
+    const frames = readAll(readerOver([good('exA'), short, good('exB')]));
+    const routing = frames.map((decoded) => {
+      const bytesOf = routingBytesOf(decoded.fields as object);
+      return bytesOf && `${bytesOf.exchange.toString()}/${bytesOf.routingKey.toString()}`;
+    });
+    expect(routing).toEqual(['exA/key', undefined, 'exB/key']);
+    expect(frames.map((decoded) => decoded.fields?.exchange)).toEqual(['exA', 'exB', 'exB']);
+  });
+
   it('leaves a deliver too short for its fields to amqplib, which refuses it', () => {
     const head = Buffer.from([0, 60, 0, 60]);
     const short = frame(1, CHANNEL, Buffer.concat([head, shortstr('tag'), Buffer.alloc(3)]));
