@@ -118,7 +118,7 @@ export class ContentHeader {
 
   /** Where a property's bytes start (-1: absent, or no property of that index), and where they end. */
   private startOf(index: number): number {
-    if (index >= PROPERTY_KINDS.length || !(this.flags & flagOf(index))) return -1;
+    if (index < 0 || index >= PROPERTY_KINDS.length || !(this.flags & flagOf(index))) return -1;
     const rank = presentBefore(this.flags, index);
     return rank === 0 ? 2 : (this.ends[rank - 1] as number);
   }
