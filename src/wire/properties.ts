@@ -69,7 +69,7 @@ export class ContentHeader {
    * offset 2, so the k-th present one starts where the one before it ends. One small array per
    * delivery, sized by what is present (most headers carry two or three properties).
    */
-  private readonly ends: number[] = [];
+  private readonly ends: number[];
   /** The header table's top-level fields (undefined when there is no table, or it is unreadable). */
   readonly fields: FieldSpan[] | undefined;
   /** Why the header table cannot be read (nested too deep, an unknown type), if it cannot. */
@@ -82,6 +82,9 @@ export class ContentHeader {
     if (this.flags & 1) {
       throw new ContentHeaderError('content header flags continue past the fourteen basic properties');
     }
+    // Made at its size: an array grown from empty takes room for sixteen at its first push.
+    this.ends = new Array<number>(presentBefore(this.flags, PROPERTY_KINDS.length));
+    let present = 0;
     let p = 2;
     for (let index = 0; index < PROPERTY_KINDS.length; index++) {
       if (!(this.flags & flagOf(index))) continue;
@@ -92,7 +95,7 @@ export class ContentHeader {
       else p += 4 + (p + 4 <= bytes.length ? bytes.readUInt32BE(p) : 0);
       if (p > bytes.length)
         throw new ContentHeaderError(`content header truncated in its ${BASIC_PROPERTIES[index]?.[0]}`);
-      this.ends.push(p);
+      this.ends[present++] = p;
     }
     const tableStart = this.startOf(HEADERS);
     if (tableStart >= 0) {
