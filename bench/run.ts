@@ -37,6 +37,10 @@ if (!(STEADY_FROM > 0 && STEADY_FROM < 1)) {
   process.exit(2);
 }
 const PIN = args.includes('--pin-brokers');
+// --lazy-queues: source and target queues declared lazy, so the brokers keep their messages on disk
+// and not in memory, as every classic queue does from RabbitMQ 3.12 on. On 3.10 a queue that holds
+// its messages in memory makes each header of each message cost the broker garbage collection.
+const LAZY_QUEUES = args.includes('--lazy-queues');
 // --bridge-args '--batch-size 50': extra options for the bridge's throughput rounds (tuning runs).
 const BRIDGE_ARGS = option('--bridge-args', '').split(' ').filter(Boolean);
 
@@ -145,7 +149,7 @@ async function main(): Promise<void> {
         };
 
     say(
-      `\nbench: medians of ${ROUNDS} alternating rounds, ${MESSAGES} messages (5,000 at 64 KiB), prefetch ${PREFETCH}`,
+      `\nbench: medians of ${ROUNDS} alternating rounds, ${MESSAGES} messages (5,000 at 64 KiB), prefetch ${PREFETCH}${LAZY_QUEUES ? ', lazy queues' : ''}${PIN ? ', brokers pinned' : ''}`,
     );
     const table = rateTable('whole rounds, from the first arrival', results);
     const fromStartTable = rateTable(
@@ -274,7 +278,10 @@ async function queues(
   for (const url of [sourceUrl, targetUrl]) {
     const connection = await amqp.connect(url);
     const channel = await connection.createChannel();
-    await channel.assertQueue(name, { durable: true });
+    await channel.assertQueue(name, {
+      durable: true,
+      ...(LAZY_QUEUES ? { arguments: { 'x-queue-mode': 'lazy' } } : {}),
+    });
     await connection.close();
   }
   return { sourceQueue: name, targetQueue: name };
